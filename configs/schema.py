@@ -1,0 +1,258 @@
+"""The one run schema. Importable without torch (CI checks it).
+
+Every field is documented; cross-field rules live in validators that say how to fix the input.
+GRPO field names and defaults follow TRL's `GRPOConfig` (TRL 1.16) so users can carry settings over.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+CONFIG_DIR = Path(__file__).resolve().parent
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    """The policy model. `tiny` builds a `Qwen3_5ForCausalLM` from `arch`; `pretrained` loads `path`."""
+
+    source: Literal["tiny", "pretrained", "random"] = "tiny"
+    path: str | None = Field(None, description="local checkpoint dir (source=pretrained)")
+    arch: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Qwen3_5TextConfig overrides (hidden_size, num_hidden_layers, layer_types, ...)",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="compute dtype of the frozen base (bf16 on GPU; fp32 is faster on CPU)"
+    )
+    quantization: Literal["none", "nf4"] = "none"
+    init_seed: int = Field(0, description="seed of the random initialization (tiny / random)")
+
+
+class TokenizerConfig(_Strict):
+    """A byte-level BPE trained offline by the project on the built-in gym's oracle text."""
+
+    path: str | None = Field(None, description="an HF tokenizer dir; None trains one into the run dir cache")
+    vocab_size: int = Field(512, ge=300)
+
+
+class AdapterConfig(_Strict):
+    type: Literal["lora", "dora"] = "lora"
+    rank: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    targets: list[str] = Field(
+        default_factory=lambda: [
+            "q_proj", "k_proj", "v_proj", "o_proj",
+            "in_proj_qkv", "in_proj_z", "out_proj",
+            "gate_proj", "up_proj", "down_proj",
+        ],
+        description="Linear module names (GDN: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj)",
+    )
+
+    @model_validator(mode="after")
+    def _targets_are_linear(self) -> "AdapterConfig":
+        if "conv1d" in self.targets:
+            raise ValueError("adapter.targets: `conv1d` is a Conv1d, not a Linear; LoRA/DoRA cannot wrap it — remove it")
+        if not self.targets:
+            raise ValueError("adapter.targets is empty: name at least one Linear module, e.g. [q_proj, v_proj]")
+        return self
+
+
+class LatentConfig(_Strict):
+    """Stochastic latent thoughts z = mu + sigma * eps, mu = g(h) (h mapped to the embedding scale)."""
+
+    max_latent_steps: int = Field(4, ge=0, le=64)
+    sigma: float = Field(0.05, gt=0, description="noise std, relative to the RMS of the embedding table")
+
+
+class SamplerConfig(_Strict):
+    kind: Literal["hf", "vllm"] = "hf"
+    temperature: float = Field(1.0, gt=0)
+    max_answer_tokens: int = Field(48, ge=1)
+
+
+class GymConfig(_Strict):
+    name: str = Field("table", description="built-in gym name, or an import path `pkg.module:Factory`")
+    max_turns: int = Field(6, ge=1)
+    train_split_seed: int = 1234
+    eval_tasks: int = Field(32, ge=1)
+    options: dict[str, Any] = Field(default_factory=dict, description="passed to the gym factory")
+
+
+class BootstrapConfig(_Strict):
+    """Supervised warm start on the gym oracle's expert trajectories (cached, keyed by its config)."""
+
+    enabled: bool = True
+    episodes: int = Field(384, ge=1)
+    epochs: int = Field(2, ge=1)
+    batch_size: int = Field(16, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    full_finetune: bool = Field(True, description="train the whole tiny base (True) or only an adapter")
+
+
+class GRPOConfig(_Strict):
+    """Names and defaults follow trl.GRPOConfig."""
+
+    num_generations: int = Field(4, ge=2, description="group size")
+    groups_per_step: int = Field(4, ge=1)
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo"] = "dapo"
+    epsilon: float = Field(0.2, gt=0)
+    epsilon_high: float | None = None
+    delta: float | None = None
+    beta: float = 0.0
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    max_completion_length: int = Field(512, ge=1, description="dr_grpo normalizer")
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: Literal[
+        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+    ] = "sequence_mask"
+    vllm_importance_sampling_clip_max: float = Field(3.0, gt=0)
+    vllm_importance_sampling_clip_min: float | None = None
+    thought_loss_weight: float = Field(1.0, ge=0, description="scale of the thought-density terms in the loss")
+
+    @model_validator(mode="after")
+    def _check(self) -> "GRPOConfig":
+        if self.beta != 0.0:
+            raise ValueError("grpo.beta != 0 needs a reference model, which this trainer does not keep; set beta: 0.0")
+        if self.loss_type == "cispo" and self.epsilon_high is None:
+            raise ValueError("grpo.loss_type=cispo needs grpo.epsilon_high (TRL recommends 4.0 or 5.0)")
+        return self
+
+
+class OptimizerConfig(_Strict):
+    lr: float = Field(5e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = Field(1.0, description="None disables clipping")
+
+
+class StepsConfig(_Strict):
+    total: int = Field(20, ge=1)
+    pattern: list[Literal["fresh", "reuse"]] = Field(
+        default_factory=lambda: ["fresh"], description="repeated over the steps; must start with fresh"
+    )
+
+    @model_validator(mode="after")
+    def _starts_fresh(self) -> "StepsConfig":
+        if not self.pattern or self.pattern[0] != "fresh":
+            raise ValueError("steps.pattern must start with `fresh`: a reuse step replays the rollouts of an earlier fresh step")
+        return self
+
+    def kind_of(self, step: int) -> str:
+        return self.pattern[step % len(self.pattern)]
+
+
+class GatesConfig(_Strict):
+    """Seed thresholds. Configurable, but the defaults never move."""
+
+    parity_mean_max: float = 0.1
+    parity_token_max: float = 1.0
+    parity_min_prob: float = 0.01
+    require_nonzero_grad: bool = True
+
+
+class RunConfig(_Strict):
+    seed: int = 0
+    run_dir: str = "runs/tiny"
+    threads: int | None = Field(None, description="torch threads; None = all cores")
+    model: ModelConfig = ModelConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    adapter: AdapterConfig = AdapterConfig()
+    latent: LatentConfig = LatentConfig()
+    sampler: SamplerConfig = SamplerConfig()
+    gym: GymConfig = GymConfig()
+    bootstrap: BootstrapConfig = BootstrapConfig()
+    grpo: GRPOConfig = GRPOConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    steps: StepsConfig = StepsConfig()
+    gates: GatesConfig = GatesConfig()
+
+    @model_validator(mode="after")
+    def _cross(self) -> "RunConfig":
+        if self.sampler.kind == "vllm":
+            raise ValueError(
+                "sampler.kind=vllm is not available in this build yet (tracked by the vLLM sampler issue); use `hf`"
+            )
+        if self.model.source == "pretrained" and not self.model.path:
+            raise ValueError("model.source=pretrained needs model.path (a local checkpoint directory)")
+        if self.model.quantization == "nf4" and self.model.dtype != "bfloat16":
+            raise ValueError("model.quantization=nf4 computes in bf16: set model.dtype: bfloat16")
+        if self.model.source == "tiny" and self.bootstrap.enabled is False and self.tokenizer.path is None:
+            pass  # allowed: an untrained tiny model (benchmarks)
+        return self
+
+    def with_overrides(self, **dotted: Any) -> "RunConfig":
+        """Return a copy with `a.b=value` overrides applied (validated again)."""
+        data = self.model_dump()
+        for key, value in dotted.items():
+            _set_dotted(data, key, value)
+        return RunConfig.model_validate(data)
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not validate; the message says what to change."""
+
+
+def _set_dotted(data: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for p in parts[:-1]:
+        if p not in node or not isinstance(node[p], dict):
+            raise ConfigError(f"unknown config section `{p}` in override `{key}`")
+        node = node[p]
+    node[parts[-1]] = value
+
+
+def preset_path(name_or_path: str | Path) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") and p.exists():
+        return p
+    cand = CONFIG_DIR / f"{name_or_path}.yaml"
+    if cand.exists():
+        return cand
+    presets = ", ".join(sorted(x.stem for x in CONFIG_DIR.glob("*.yaml")))
+    raise ConfigError(f"config `{name_or_path}` not found: pass a YAML file path or a preset name ({presets})")
+
+
+def load_config(name_or_path: str | Path = "tiny", overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Load a preset or YAML file; unknown keys and bad combinations raise ConfigError naming the fix."""
+    path = preset_path(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, grpo:, ...)")
+    for key, value in (overrides or {}).items():
+        _set_dotted(data, key, value)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"])
+            msg = err["msg"]
+            if err["type"] == "extra_forbidden":
+                msg = "unknown key (check the spelling against configs/schema.py)"
+            lines.append(f"  {loc or '<root>'}: {msg}")
+        raise ConfigError(f"{path}: invalid config\n" + "\n".join(lines)) from None
+
+
+def config_hash(cfg: BaseModel, *sections: str) -> str:
+    """A stable hash of selected sections (or all), for cache keys of derived artifacts."""
+    import hashlib
+    import json
+
+    data = cfg.model_dump(mode="json")
+    if sections:
+        data = {s: data[s] for s in sections}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,76 @@
+"""Correctness gates: pure functions over per-token numbers. Thresholds come from the config and never move.
+
+This module imports no torch at module level (flows import `GateFailed` to decide on retries).
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class GateFailed(RuntimeError):
+    """A correctness gate failed. Never retried: the task ends Failed and the report is kept."""
+
+    def __init__(self, gate: str, message: str, report: dict | None = None):
+        super().__init__(f"gate `{gate}` failed: {message}")
+        self.gate = gate
+        self.report = report or {}
+
+
+def rollout_parity(trainer_lp: list[list[float]], sampler_lp: list[list[float]], *, mean_max: float,
+                   token_max: float, min_prob: float) -> tuple[dict, list[list[bool]]]:
+    """Trainer vs sampler log-prob of every real answer token.
+
+    Over tokens that either engine gives at least `min_prob` probability: mean |gap| must be <= mean_max; a token
+    whose gap exceeds `token_max` is masked out of the loss and recorded. Returns (report, keep-mask per turn).
+    The report also carries the peers' mismatch metrics: k3 KL (sampler -> trainer), importance ratio
+    min/mean/max (exp(trainer - sampler)) and the share of masked tokens.
+    """
+    gaps, masked, keep = [], [], []
+    k3, ratios = [], []
+    n_all = 0
+    for i, (tl, sl) in enumerate(zip(trainer_lp, sampler_lp)):
+        if len(tl) != len(sl):
+            raise ValueError(f"turn {i}: trainer scored {len(tl)} tokens, sampler {len(sl)}")
+        row_keep = []
+        for j, (t, s) in enumerate(zip(tl, sl)):
+            n_all += 1
+            r = t - s
+            ratios.append(math.exp(max(min(r, 50.0), -50.0)))
+            k3.append(math.exp(max(min(r, 50.0), -50.0)) - r - 1.0)
+            considered = max(math.exp(t), math.exp(s)) >= min_prob
+            gap = abs(r)
+            ok = True
+            if considered:
+                gaps.append(gap)
+                if gap > token_max:
+                    ok = False
+                    masked.append({"turn": i, "token": j, "trainer": t, "sampler": s, "gap": gap})
+            row_keep.append(ok)
+        keep.append(row_keep)
+    report = {
+        "tokens": n_all,
+        "tokens_considered": len(gaps),
+        "mean_gap": sum(gaps) / len(gaps) if gaps else 0.0,
+        "max_gap": max(gaps) if gaps else 0.0,
+        "masked_tokens": masked,
+        "masked_share": len(masked) / n_all if n_all else 0.0,
+        "k3_kl": sum(k3) / len(k3) if k3 else 0.0,
+        "is_ratio_min": min(ratios) if ratios else 1.0,
+        "is_ratio_mean": sum(ratios) / len(ratios) if ratios else 1.0,
+        "is_ratio_max": max(ratios) if ratios else 1.0,
+        "limits": {"mean_max": mean_max, "token_max": token_max, "min_prob": min_prob},
+    }
+    report["passed"] = report["mean_gap"] <= mean_max
+    return report, keep
+
+
+def check_parity(report: dict) -> None:
+    if not report["passed"]:
+        raise GateFailed(
+            "rollout-parity",
+            f"mean trainer-vs-sampler gap {report['mean_gap']:.4f} nat > {report['limits']['mean_max']} over "
+            f"{report['tokens_considered']} tokens (max {report['max_gap']:.3f}); the sampler is not scoring the "
+            "model being trained — check the adapter sync and the sampler's precision path",
+            report,
+        )

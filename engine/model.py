@@ -1,0 +1,276 @@
+"""Model runtime: the hybrid base, the adapter with FP32 masters, the latent loop, the HF sampler, replay scoring.
+
+Shapes: B rows, P prefix tokens, K thoughts, L answer tokens, d hidden size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.chat import ANSWER_OPEN, IM_END, PAD, THINK
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# building and loading
+
+
+def tiny_config(arch: dict, vocab_size: int, pad_id: int, eos_id: int):
+    from transformers import Qwen3_5TextConfig
+
+    arch = dict(arch)
+    arch.setdefault("vocab_size", vocab_size)
+    if arch["vocab_size"] != vocab_size:
+        raise ValueError(f"model.arch.vocab_size={arch['vocab_size']} but the tokenizer has {vocab_size} tokens; drop the key")
+    cfg = Qwen3_5TextConfig(pad_token_id=pad_id, eos_token_id=eos_id, bos_token_id=None, **arch)
+    for name in ("linear_key_head_dim", "linear_value_head_dim"):
+        if getattr(cfg, name) not in (64, 128):
+            raise ValueError(f"model.arch.{name}={getattr(cfg, name)}: Gated DeltaNet kernels (vLLM CPU included) need 64 or 128")
+    return cfg
+
+
+def build_random_model(arch: dict, vocab_size: int, pad_id: int, eos_id: int, seed: int, dtype: str = "float32"):
+    from transformers import Qwen3_5ForCausalLM
+
+    cfg = tiny_config(arch, vocab_size, pad_id, eos_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3_5ForCausalLM(cfg)
+    return model.to(DTYPES[dtype])
+
+
+def load_base(path: str | Path, dtype: str):
+    from transformers import Qwen3_5ForCausalLM
+
+    return Qwen3_5ForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
+
+
+def attach_adapter(model, adapter_cfg):
+    """Wrap `model` with a PEFT LoRA/DoRA adapter whose weights are FP32 masters; the base is frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    lcfg = LoraConfig(
+        r=adapter_cfg.rank,
+        lora_alpha=adapter_cfg.alpha,
+        lora_dropout=adapter_cfg.dropout,
+        target_modules=list(adapter_cfg.targets),
+        use_dora=adapter_cfg.type == "dora",
+        bias="none",
+    )
+    peft_model = get_peft_model(model, lcfg)
+    for n, p in peft_model.named_parameters():
+        if p.requires_grad:
+            p.data = p.data.float()  # FP32 masters
+    return peft_model
+
+
+def adapter_state(peft_model) -> dict[str, torch.Tensor]:
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().clone().contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
+
+
+def load_adapter_state(peft_model, tensors: dict[str, torch.Tensor]) -> None:
+    from peft import set_peft_model_state_dict
+
+    res = set_peft_model_state_dict(peft_model, tensors)
+    missing = [k for k in res.missing_keys if "lora_" in k or "magnitude" in k]
+    if missing:
+        raise ValueError(f"adapter state is missing {len(missing)} tensors (e.g. {missing[0]}): rank/targets differ from the config")
+
+
+def adapter_config_dict(peft_model) -> dict:
+    d = peft_model.peft_config["default"].to_dict()
+    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in d.items()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# batching helpers
+
+
+def _parts(model):
+    """(text model, lm_head, embedding) of a plain or PEFT-wrapped Qwen3_5ForCausalLM."""
+    m = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return m.model, m.lm_head, m.model.embed_tokens
+
+
+def left_pad(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """seqs: list of (L_i, d) -> embeds (B, L, d), attention mask (B, L), position ids (B, L); left padded."""
+    B, L = len(seqs), max(s.shape[0] for s in seqs)
+    d = seqs[0].shape[1]
+    x = seqs[0].new_zeros(B, L, d)
+    mask = torch.zeros(B, L, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        x[i, L - s.shape[0]:] = s
+        mask[i, L - s.shape[0]:] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return x, mask, pos
+
+
+@dataclass
+class Tokens:
+    """Ids of the chat-format special tokens."""
+
+    pad: int
+    eos: int  # <|im_end|>: end of a model answer
+    think: int
+    answer_open: int
+
+    @classmethod
+    def of(cls, tok) -> "Tokens":
+        ids = [tok.convert_tokens_to_ids(t) for t in (PAD, IM_END, THINK, ANSWER_OPEN)]
+        return cls(*ids)
+
+
+def embed_scale(model) -> float:
+    """RMS of the embedding table: the scale latent thoughts are mapped to (mu = g(h))."""
+    _, _, emb = _parts(model)
+    return float(emb.weight.detach().float().pow(2).mean().sqrt())
+
+
+def thought_mean(h: torch.Tensor, scale: float) -> torch.Tensor:
+    """mu = g(h): the post-norm last hidden state rescaled to the embedding table's RMS.  (..., d) fp32."""
+    h = h.float()
+    return scale * h / h.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
+
+
+def gaussian_logq(z: torch.Tensor, mu: torch.Tensor, sigma: float) -> torch.Tensor:
+    """log N(z; mu, sigma^2 I), summed over the last dim (fp32)."""
+    d = z.shape[-1]
+    sq = (z.float() - mu.float()).pow(2).sum(-1)
+    return -0.5 * sq / sigma**2 - d * math.log(sigma) - 0.5 * d * math.log(2 * math.pi)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the latent loop (trainer model)
+
+
+@torch.no_grad()
+def latent_loop(model, prefixes: list[list[int]], K: int, sigma: float, scale: float, toks: Tokens,
+                gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample K thoughts per row.  Returns thoughts (B, K, d) fp32 and their log-densities (B, K) fp32.
+
+    z_k = mu_k + sigma * eps_k, eps from `gen` (drawn as one (B, d) block per step, row order).
+    """
+    from transformers import DynamicCache
+
+    text, _, emb = _parts(model)
+    B = len(prefixes)
+    d = emb.weight.shape[1]
+    dtype = emb.weight.dtype
+    if K == 0:
+        return torch.zeros(B, 0, d), torch.zeros(B, 0)
+    seqs = [emb(torch.tensor(p + [toks.think])) for p in prefixes]
+    x, mask, pos = left_pad(seqs)
+    cache = DynamicCache(config=text.config)
+    h = text(inputs_embeds=x, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).last_hidden_state[:, -1]
+    zs, lqs = [], []
+    for k in range(K):
+        mu = thought_mean(h, scale)  # (B, d)
+        eps = torch.randn(B, d, generator=gen)
+        z = mu + sigma * eps
+        zs.append(z)
+        lqs.append(gaussian_logq(z, mu, sigma))
+        if k == K - 1:
+            break
+        mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
+        pos = pos[:, -1:] + 1
+        h = text(inputs_embeds=z[:, None].to(dtype), attention_mask=mask, position_ids=pos, cache=cache,
+                 use_cache=True).last_hidden_state[:, -1]
+    return torch.stack(zs, 1), torch.stack(lqs, 1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the HF sampler: answers from prompt embeddings (prefix ⊕ thoughts ⊕ answer-open)
+
+
+def prompt_embeddings(model, prefix: list[int], thoughts: torch.Tensor, toks: Tokens) -> torch.Tensor:
+    """embed(prefix ⊕ <think>) ⊕ z_1..z_K ⊕ embed(</think>)  -> (P + K + 2, d) in the model dtype."""
+    _, _, emb = _parts(model)
+    head = emb(torch.tensor(prefix + [toks.think]))
+    tail = emb(torch.tensor([toks.answer_open]))
+    return torch.cat([head, thoughts.to(head.dtype), tail], 0)
+
+
+@torch.no_grad()
+def sample_answers(model, prompts: list[torch.Tensor], max_new: int, temperature: float, toks: Tokens,
+                   gen: torch.Generator) -> tuple[list[list[int]], list[list[float]]]:
+    """Decode answers from prompt embeddings; returns token ids and processed (post-temperature) log-probs.
+
+    A row stops after it emits <|im_end|> (kept as its last token) or after `max_new` tokens.
+    """
+    from transformers import DynamicCache
+
+    text, head, emb = _parts(model)
+    B = len(prompts)
+    x, mask, pos = left_pad(prompts)
+    cache = DynamicCache(config=text.config)
+    h = text(inputs_embeds=x, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).last_hidden_state[:, -1]
+    ids: list[list[int]] = [[] for _ in range(B)]
+    lps: list[list[float]] = [[] for _ in range(B)]
+    live = torch.ones(B, dtype=torch.bool)
+    for _ in range(max_new):
+        logp = torch.log_softmax(head(h).float() / temperature, -1)  # (B, V)
+        nxt = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]  # (B,)
+        chosen = logp.gather(1, nxt[:, None])[:, 0]
+        for i in range(B):
+            if live[i]:
+                ids[i].append(int(nxt[i]))
+                lps[i].append(float(chosen[i]))
+        live &= nxt != toks.eos
+        if not live.any():
+            break
+        mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
+        pos = pos[:, -1:] + 1
+        h = text(inputs_embeds=emb(nxt[:, None]), attention_mask=mask, position_ids=pos, cache=cache,
+                 use_cache=True).last_hidden_state[:, -1]
+    return ids, lps
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# replay scoring (with gradients when enabled)
+
+
+def score_turns(model, prefixes: list[list[int]], thoughts: list[torch.Tensor], answers: list[list[int]],
+                temperature: float, sigma: float, scale: float, toks: Tokens
+                ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Re-score turns: input = embed(prefix ⊕ <think>) ⊕ z_1..z_K ⊕ embed(</think> ⊕ a_1..a_{L-1}).
+
+    Returns per-turn answer-token log-probs [(L_i,)] (post-temperature, fp32) and thought log-densities (B, K)
+    under the current weights; saved thoughts are inputs, so gradients reach the adapter through mu_k(theta).
+    """
+    text, head, emb = _parts(model)
+    B = len(prefixes)
+    K = thoughts[0].shape[0] if B else 0
+    seqs = []
+    for p, z, a in zip(prefixes, thoughts, answers):
+        if z.shape[0] != K:
+            raise ValueError("all turns of one scoring batch need the same number of thoughts")
+        head_ids = torch.tensor(p + [toks.think])
+        tail_ids = torch.tensor([toks.answer_open] + a[:-1])
+        e_head, e_tail = emb(head_ids), emb(tail_ids)
+        seqs.append(torch.cat([e_head, z.to(e_head.dtype), e_tail], 0))
+    x, mask, pos = left_pad(seqs)
+    hid = text(inputs_embeds=x, attention_mask=mask, position_ids=pos).last_hidden_state  # (B, S, d)
+    S = hid.shape[1]
+    # thoughts: mu_1 from the <think> position, mu_k from z_{k-1}'s position
+    logq = []
+    ans_lp = []
+    for i, (z, a) in enumerate(zip(thoughts, answers)):
+        L = len(a)
+        start_ans = S - L  # position of </think> is S - L - 0 ... positions predicting a_1..a_L: [S-L, S)
+        if K:
+            t0 = S - L - 1 - K  # index of <think>
+            mu = thought_mean(hid[i, t0:t0 + K], scale)  # (K, d)
+            logq.append(gaussian_logq(z.float(), mu, sigma))
+        logits = head(hid[i, start_ans:]).float() / temperature  # (L, V)
+        lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(a)[:, None])[:, 0]
+        ans_lp.append(lp)
+    lq = torch.stack(logq) if K else torch.zeros(B, 0)
+    return ans_lp, lq

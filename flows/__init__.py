@@ -1,0 +1,1 @@
+"""Prefect flows and deployments (train, step, rerun). Importable without torch."""

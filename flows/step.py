@@ -1,0 +1,144 @@
+"""One GRPO step as a Prefect flow: export -> [sample-tasks -> (generate-turn -> run-gym)* -> collect-rollouts]
+-> replay -> optimize.  A reuse step skips generation and replays the latest fresh step's rollouts.
+
+Re-running a step's flow skips completed stages (Cached) and runs the failed one and what follows;
+`force_from=<stage>` re-runs from a named stage. Each step publishes its per-phase timing table and metrics as
+Prefect artifacts (keys `step-NNNN-timings`, `step-NNNN-metrics`, `step-NNNN-parity`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from artifacts import RunDir, append_jsonl, read_json, write_json
+from flows import tasks as T
+
+STAGES = ["export", "sample-tasks", "generate-turn", "run-gym", "collect-rollouts", "replay", "optimize"]
+Stage = Literal["export", "sample-tasks", "generate-turn", "run-gym", "collect-rollouts", "replay", "optimize"]
+
+
+def _refresh(task, stage: str, force_from: str | None):
+    if force_from is None:
+        return task
+    if force_from not in STAGES:
+        raise ValueError(f"force_from={force_from!r}: pick one of {', '.join(STAGES)}")
+    first = STAGES.index(force_from)
+    if force_from == "run-gym":
+        first = STAGES.index("generate-turn")  # turns interleave: regenerate from the first turn's gym on
+    return task.with_options(refresh_cache=True) if STAGES.index(stage) >= first else task
+
+
+def _config(run_dir: str):
+    import yaml
+
+    from configs.schema import RunConfig
+
+    return RunConfig.model_validate(yaml.safe_load(RunDir(Path(run_dir)).config().read_text()))
+
+
+def step_inputs(run_dir: str, step: int) -> dict:
+    """Where step `step` reads its adapter, optimizer state and (reuse steps) rollouts from."""
+    rd = RunDir(Path(run_dir))
+    prep = read_json(rd.root / "prepared.json")
+    cfg = _config(run_dir)
+    kind = cfg.steps.kind_of(step)
+    out = {
+        "kind": kind,
+        "base": prep["base"],
+        "adapter": str(rd.adapter(step - 1)) if step > 0 else prep["adapter_init"],
+        "optimizer": str(rd.optimizer(step - 1)) if step > 0 else None,
+    }
+    if kind == "reuse":
+        fresh = max(s for s in range(step) if cfg.steps.kind_of(s) == "fresh")
+        out["rollouts"], out["old_replay"] = str(rd.rollouts(fresh)), str(rd.replay(fresh))
+    return out
+
+
+@flow(name="grpo-step", flow_run_name="step-{step}", log_prints=True)
+def grpo_step(run_dir: str, step: int, force_from: Stage | None = None) -> dict:
+    cfg = _config(run_dir)
+    rd = RunDir(Path(run_dir)).ensure(step)
+    inp = step_inputs(run_dir, step)
+    base = inp["base"]
+    summaries = []
+    ex = _refresh(T.export_base, "export", force_from)(run_dir, step, base)
+    summaries.append(ex)
+    fresh = inp["kind"] == "fresh"
+    if fresh:
+        st = _refresh(T.sample_tasks, "sample-tasks", force_from)(run_dir, step, base)
+        summaries.append(st)
+        state, turn_paths, gym_paths = st["path"], [], []
+        for turn in range(cfg.gym.max_turns):
+            tr = _refresh(T.generate_turn, "generate-turn", force_from)(
+                run_dir, step, turn, state, inp["adapter"], ex["path"], base)
+            gr = _refresh(T.run_gym, "run-gym", force_from)(run_dir, step, turn, state, tr["path"], base)
+            summaries += [tr, gr]
+            turn_paths.append(tr["path"])
+            gym_paths.append(gr["path"])
+            state = gr["path"]
+            if gr["all_done"]:
+                break
+        ro = _refresh(T.collect_rollouts, "collect-rollouts", force_from)(run_dir, step, turn_paths, gym_paths)
+        summaries.append(ro)
+        rollouts = ro["path"]
+    else:
+        rollouts = inp["rollouts"]
+    rp = _refresh(T.replay, "replay", force_from)(run_dir, step, rollouts, inp["adapter"], base, fresh)
+    summaries.append(rp)
+    old_replay = rp["path"] if fresh else inp["old_replay"]
+    op = _refresh(T.optimize, "optimize", force_from)(
+        run_dir, step, rollouts, rp["path"], old_replay, inp["adapter"], inp["optimizer"], base)
+    summaries.append(op)
+    return publish(run_dir, step, inp["kind"], summaries)
+
+
+def phase_times(summaries: list[dict]) -> dict[str, float]:
+    """Seconds per phase, as measured by the stages (generation split into latent loop and answers)."""
+    ph: dict[str, float] = {}
+
+    def add(k, v):
+        ph[k] = round(ph.get(k, 0.0) + v, 4)
+
+    for s in summaries:
+        name = s["stage"]
+        if name == "generate-turn":
+            add("latent", s.get("latent_s", 0.0))
+            add("answers", s.get("answers_s", 0.0))
+            add("generate-other", s["wall_s"] - s.get("latent_s", 0.0) - s.get("answers_s", 0.0))
+        else:
+            add(name, s["wall_s"])
+    return ph
+
+
+def publish(run_dir: str, step: int, kind: str, summaries: list[dict]) -> dict:
+    rd = RunDir(Path(run_dir))
+    ph = phase_times(summaries)
+    by = {s["stage"]: s for s in summaries}
+    metrics = {"step": step, "kind": kind, "stage_seconds": round(sum(ph.values()), 4)}
+    if "collect-rollouts" in by:
+        c = by["collect-rollouts"]
+        metrics.update({k: c[k] for k in ("reward_mean", "reward_std", "completion_rate", "tool_error_rate",
+                                          "mean_turns", "answer_tokens")})
+    if "replay" in by and "parity_mean" in by["replay"]:
+        metrics.update(parity_mean=by["replay"]["parity_mean"], parity_max=by["replay"]["parity_max"],
+                       parity_masked=by["replay"]["masked"])
+    o = by["optimize"]
+    metrics.update(loss=o["loss"], grad_norm=o["grad_norm"], signal=o["signal"], live_graph=o.get("live_graph"))
+    write_json(rd.timings(step), ph)
+    write_json(rd.metrics(step), metrics)
+    append_jsonl(rd.metrics_history(), metrics | {"phases": ph})
+    create_table_artifact(
+        key=f"step-{step:04d}-timings",
+        table=[{"phase": k, "seconds": v} for k, v in ph.items()],
+        description=f"Per-phase wall seconds of {kind} step {step} (measured by the stages)",
+    )
+    create_markdown_artifact(
+        key=f"step-{step:04d}-metrics",
+        markdown="| metric | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in metrics.items()),
+        description=f"Metrics of step {step}",
+    )
+    return metrics | {"phases": ph}

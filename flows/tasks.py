@@ -1,0 +1,139 @@
+"""Prefect tasks: thin wrappers around `stages/` functions. Importable without torch (stages load lazily).
+
+Cache keys hash the *contents* of input artifacts (parameters named `*_in`, paths or lists of paths), the other
+parameters, the run's id and the task's source. Re-running a step therefore skips every stage whose inputs are
+unchanged (state Cached) and re-runs the failed one and what follows. `GateFailed` is never retried.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
+
+from artifacts import dir_digest, read_json, verify
+from engine.gates import GateFailed
+
+
+def _content(value: Any) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return [_content(v) for v in value]
+    p = Path(value)
+    return dir_digest(p) if p.is_dir() else verify(p)
+
+
+def artifact_cache_key(ctx, parameters: dict[str, Any]) -> str:
+    """Hash of the run id, plain parameters and the contents of every `*_in` artifact."""
+    run_dir = parameters.get("run_dir")
+    run_id = read_json(Path(run_dir) / "run.json")["run_id"] if run_dir else ""
+    keyed = {k: (_content(v) if k.endswith("_in") else v) for k, v in sorted(parameters.items())}
+    blob = json.dumps({"run": run_id, "task": ctx.task.name, "params": keyed}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+ARTIFACT_CACHE = CacheKeyFnPolicy(cache_key_fn=artifact_cache_key) + TASK_SOURCE
+
+
+def retry_unless_gate(task, task_run, state) -> bool:
+    """Retry transient failures; a failed correctness gate is final."""
+    try:
+        state.result()
+    except GateFailed:
+        return False
+    except BaseException:  # noqa: BLE001 - classification only: any other failure is eligible for retry
+        return True
+    return True
+
+
+def _stage_task(name: str, retries: int, delays: list[float]):
+    return task(name=name, cache_policy=ARTIFACT_CACHE, persist_result=True, retries=retries,
+                retry_delay_seconds=delays, retry_jitter_factor=0.5, retry_condition_fn=retry_unless_gate,
+                task_run_name=name + "-{step}" if name not in ("prepare-tokenizer", "bootstrap-base", "init-adapter") else name)
+
+
+@_stage_task("prepare-tokenizer", 1, [2])
+def prepare_tokenizer(run_dir: str) -> dict:
+    from stages.prepare import prepare_tokenizer as fn
+
+    return fn(run_dir)
+
+
+@_stage_task("bootstrap-base", 1, [2])
+def bootstrap_base(run_dir: str, tok_in: str) -> dict:
+    from stages.prepare import bootstrap_base as fn
+
+    return fn(run_dir, tok_in)
+
+
+@_stage_task("init-adapter", 1, [2])
+def init_adapter(run_dir: str, base_in: str) -> dict:
+    from stages.prepare import init_adapter as fn
+
+    return fn(run_dir, base_in)
+
+
+@_stage_task("export", 1, [2])
+def export_base(run_dir: str, step: int, base_in: str) -> dict:
+    from stages.export import export_base as fn
+
+    return fn(run_dir, base_in)
+
+
+@_stage_task("sample-tasks", 1, [2])
+def sample_tasks(run_dir: str, step: int, base_in: str) -> dict:
+    from stages.generate import sample_tasks as fn
+
+    return fn(run_dir, step, base_in)
+
+
+@task(name="generate-turn", cache_policy=ARTIFACT_CACHE, persist_result=True, retries=1, retry_delay_seconds=[2],
+      retry_condition_fn=retry_unless_gate, task_run_name="generate-turn-{step}-{turn}")
+def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in: str, export_in: str,
+                  base_in: str) -> dict:
+    from stages.generate import generate_turn as fn
+
+    return fn(run_dir, step, turn, state_in, adapter_in, export_in, base_in)
+
+
+@task(name="run-gym", cache_policy=ARTIFACT_CACHE, persist_result=True, retries=3, retry_delay_seconds=[1, 2, 4],
+      retry_jitter_factor=0.5, retry_condition_fn=retry_unless_gate, task_run_name="run-gym-{step}-{turn}")
+def run_gym(run_dir: str, step: int, turn: int, state_in: str, turn_in: str, base_in: str) -> dict:
+    from stages.gym import run_gym as fn
+
+    return fn(run_dir, step, turn, state_in, turn_in, base_in)
+
+
+@_stage_task("collect-rollouts", 1, [2])
+def collect_rollouts(run_dir: str, step: int, turn_in: list[str], gym_in: list[str]) -> dict:
+    from stages.gym import collect_rollouts as fn
+
+    return fn(run_dir, step, turn_in, gym_in)
+
+
+@_stage_task("replay", 1, [2])
+def replay(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: str, fresh: bool) -> dict:
+    from stages.replay import replay as fn
+
+    return fn(run_dir, step, rollouts_in, adapter_in, base_in, fresh)
+
+
+@_stage_task("optimize", 1, [2])
+def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_replay_in: str, adapter_in: str,
+             optimizer_in: str | None, base_in: str) -> dict:
+    from stages.optimize import optimize as fn
+
+    return fn(run_dir, step, rollouts_in, replay_in, old_replay_in, adapter_in, optimizer_in, base_in)
+
+
+@task(name="evaluate", cache_policy=ARTIFACT_CACHE, persist_result=True, retries=1, retry_delay_seconds=[2],
+      retry_condition_fn=retry_unless_gate, task_run_name="evaluate-{tag}")
+def evaluate(run_dir: str, tag: str, adapter_in: str, export_in: str, base_in: str) -> dict:
+    from stages.evaluate import evaluate as fn
+
+    return fn(run_dir, tag, adapter_in, export_in, base_in)

@@ -1,0 +1,230 @@
+"""The built-in table gym: look two values up in a per-task table, combine them with ``calc``, answer.
+
+Each task has its own small table {name: value}; the question names two entries and an operation
+("What is the value of alpha plus the value of cedar?"). Tools: ``lookup(key)`` and ``calc(expression)``.
+The oracle takes exactly four turns: lookup A, lookup B, calc "vA op vB", then the bare number.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from collections.abc import Sequence
+from fractions import Fraction
+from typing import Any
+
+from gym.protocol import REASON_ANSWER, REASON_MAX_TURNS, EpisodeMetrics, StepResult, Task
+from gym.tools import (
+    CALC_TOOL,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    Tool,
+    ToolCallError,
+    ToolError,
+    format_tool_call,
+    parse_tool_call,
+    run_tool,
+)
+
+NAMES: tuple[str, ...] = (
+    "alpha", "bravo", "cedar", "delta", "ember", "fox", "gamma", "hazel",
+    "iris", "jade", "kilo", "lemon", "maple", "nova", "oak", "pearl",
+    "quartz", "river", "sage", "tango", "umber", "vega", "willow", "zinc",
+)
+OPS: dict[str, str] = {"plus": "+", "minus": "-", "times": "*"}
+SPLITS = ("train", "eval")
+EVAL_MODULUS = 5  # a (A, B, op) triple is in the eval split when its hash % 5 == 0 (about 20 %)
+
+_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
+_MAX_NUMBER_CHARS = 32
+
+
+def triple_split(a: str, b: str, op: str) -> str:
+    """The split ("train" or "eval") that owns the question (A, B, op), by a stable hash."""
+    digest = hashlib.sha256(f"{a}|{b}|{op}".encode()).digest()
+    return "eval" if digest[0] % EVAL_MODULUS == 0 else "train"
+
+
+def final_number(text: str) -> Fraction | None:
+    """The last number written in ``text`` (``-3``, ``19``, ``2.5``), or None if there is none."""
+    matches = _NUMBER_RE.findall(text)
+    if not matches or len(matches[-1]) > _MAX_NUMBER_CHARS:
+        return None
+    return Fraction(matches[-1])
+
+
+def answer_is_correct(text: str, target: str | int) -> bool:
+    """Integer targets: the last number in the answer equals it. String targets: exact match after strip."""
+    if isinstance(target, int):
+        number = final_number(text)
+        return number is not None and number == target
+    return text.strip() == target.strip()
+
+
+class TableGym:
+    """Multi-turn lookup-and-calculate gym. One episode at a time: ``reset(task)`` then ``step(...)``.
+
+    Options: ``table_size`` (entries per task table, 2..24, default 6), ``max_value`` (values are drawn
+    from 1..max_value, default 30), ``ops`` (subset of plus/minus/times).
+    """
+
+    def __init__(
+        self,
+        max_turns: int = 5,
+        table_size: int = 6,
+        max_value: int = 30,
+        ops: Sequence[str] = tuple(OPS),
+    ) -> None:
+        if max_turns < 1:
+            raise ValueError(f"TableGym: max_turns must be >= 1, got {max_turns}")
+        if not 2 <= table_size <= len(NAMES):
+            raise ValueError(f"TableGym: table_size must be in 2..{len(NAMES)}, got {table_size}")
+        if max_value < 1:
+            raise ValueError(f"TableGym: max_value must be >= 1, got {max_value}")
+        unknown = [op for op in ops if op not in OPS]
+        if unknown or not ops:
+            raise ValueError(f"TableGym: ops must be a non-empty subset of {list(OPS)}, got {list(ops)}")
+        self.max_turns = max_turns
+        self.table_size = table_size
+        self.max_value = max_value
+        self.ops = tuple(ops)
+        self.tools: list[Tool] = [self._lookup_tool(), CALC_TOOL]
+        self._task: Task | None = None
+        self._table: dict[str, int] = {}
+        self._metrics = EpisodeMetrics()
+        self._done = True
+
+    # -- tools -------------------------------------------------------------------------------------
+
+    def _lookup_tool(self) -> Tool:
+        return Tool(
+            name="lookup",
+            description="Value of a name in this task's table.",
+            parameters={
+                "type": "object",
+                "properties": {"key": {"type": "string", "description": "a name, e.g. alpha"}},
+                "required": ["key"],
+            },
+            fn=self._lookup,
+        )
+
+    def _lookup(self, key: str) -> str:
+        value = self._table.get(key.strip())
+        if value is None:
+            shown = key if len(key) <= 32 else key[:32] + "..."
+            raise ToolError(f"unknown key {shown!r}")
+        return str(value)
+
+    def describe_tools(self) -> str:
+        """A compact text description of the tools and the call format (for the system prompt)."""
+        lines = [f"{tool.signature()}: {tool.description}" for tool in self.tools]
+        lines.append(f'Call: {TOOL_CALL_OPEN}{{"name": ..., "arguments": {{...}}}}{TOOL_CALL_CLOSE}')
+        lines.append("Answer with the number only.")
+        return "\n".join(lines)
+
+    # -- tasks ---------------------------------------------------------------------------------------
+
+    def sample_tasks(self, n: int, seed: int, split: str = "train") -> list[Task]:
+        """``n`` tasks, deterministic in (seed, split, options); train and eval never share an (A, B, op)."""
+        if split not in SPLITS:
+            raise ValueError(f"TableGym.sample_tasks: split must be one of {SPLITS}, got {split!r}")
+        if n < 0:
+            raise ValueError(f"TableGym.sample_tasks: n must be >= 0, got {n}")
+        rng = random.Random(f"table:{split}:{seed}")
+        return [self._sample_task(rng, split, f"table-{split}-{seed}-{i:05d}") for i in range(n)]
+
+    def _sample_task(self, rng: random.Random, split: str, task_id: str) -> Task:
+        while True:
+            names = rng.sample(NAMES, self.table_size)
+            a, b = names[0], names[1]
+            op = rng.choice(self.ops)
+            if triple_split(a, b, op) == split:
+                break
+        rng.shuffle(names)
+        table = {name: rng.randint(1, self.max_value) for name in names}
+        target = _apply(op, table[a], table[b])
+        question = f'What is "{a}" {op} "{b}"?'  # quoted: the name tokenizes as in the JSON call
+        return Task(id=task_id, question=question, target=target, data={"table": table, "a": a, "b": b, "op": op})
+
+    def oracle_answers(self, task: Task) -> list[str]:
+        """The expert's turn texts: lookup A, lookup B, calc "vA op vB", the bare number."""
+        table, a, b, op = _unpack(task)
+        expression = f"{table[a]}{OPS[op]}{table[b]}"  # no spaces: numbers tokenize as in observations
+        return [
+            format_tool_call("lookup", {"key": a}),
+            format_tool_call("lookup", {"key": b}),
+            format_tool_call("calc", {"expression": expression}),
+            str(task.target),
+        ]
+
+    # -- episode -------------------------------------------------------------------------------------
+
+    @property
+    def metrics(self) -> EpisodeMetrics:
+        """Counters of the current (or last) episode."""
+        return self._metrics
+
+    @property
+    def done(self) -> bool:
+        """True before the first ``reset`` and after an episode ended."""
+        return self._done
+
+    def reset(self, task: Task) -> str:
+        """Start an episode on ``task``; the first observation is the question."""
+        table, _, _, _ = _unpack(task)
+        self._task = task
+        self._table = dict(table)
+        self._metrics = EpisodeMetrics()
+        self._done = False
+        return task.question
+
+    def step(self, answer_text: str) -> StepResult:
+        """One model turn: a final answer (no ``<tool_call>``) ends the episode; a tool call is executed."""
+        if self._task is None or self._done:
+            raise RuntimeError("TableGym.step: no episode running; call reset(task) first")
+        self._metrics.turns += 1
+        parsed = parse_tool_call(answer_text, self.tools)
+        if parsed is None:
+            correct = answer_is_correct(answer_text, self._task.target)
+            return self._finish(None, 1.0 if correct else 0.0, REASON_ANSWER, tool_error=False, tool_name=None)
+        self._metrics.tool_calls += 1
+        if isinstance(parsed, ToolCallError):
+            observation, tool_error, tool_name = parsed.observation, True, parsed.tool_name
+        else:
+            observation, tool_error = run_tool(parsed, self.tools)
+            tool_name = parsed.name
+        if tool_error:
+            self._metrics.tool_errors += 1
+        if self._metrics.turns >= self.max_turns:
+            return self._finish(observation, 0.0, REASON_MAX_TURNS, tool_error=tool_error, tool_name=tool_name)
+        return StepResult(observation, 0.0, False, self._info(tool_error, tool_name, None))
+
+    def _finish(
+        self, observation: str | None, reward: float, reason: str, *, tool_error: bool, tool_name: str | None
+    ) -> StepResult:
+        self._done = True
+        return StepResult(observation, reward, True, self._info(tool_error, tool_name, reason))
+
+    def _info(self, tool_error: bool, tool_name: str | None, reason: str | None) -> dict[str, Any]:
+        return {"tool_error": tool_error, "tool_name": tool_name, "reason": reason, **self._metrics.to_dict()}
+
+
+def _apply(op: str, x: int, y: int) -> int:
+    if op == "plus":
+        return x + y
+    if op == "minus":
+        return x - y
+    return x * y
+
+
+def _unpack(task: Task) -> tuple[dict[str, int], str, str, str]:
+    """(table, a, b, op) from a table task, with a clear error for a task of another gym."""
+    data = task.data
+    missing = [key for key in ("table", "a", "b", "op") if key not in data]
+    if missing:
+        raise ValueError(f"task {task.id!r} is not a table task: data lacks {missing}")
+    table, a, b, op = data["table"], data["a"], data["b"], data["op"]
+    if a not in table or b not in table or op not in OPS:
+        raise ValueError(f"task {task.id!r}: a/b must be table keys and op one of {list(OPS)}")
+    return table, a, b, op

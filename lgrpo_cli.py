@@ -1,0 +1,186 @@
+"""`lgrpo`: train, rerun a stored step, evaluate an adapter on the held-out split."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+
+def _quiet_prefect(verbose: bool) -> None:
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # a fresh ephemeral API server migrates its DB first: ~20 s on 2 busy cores, more than the default wait
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+
+
+def _parse_set(items: list[str]) -> dict:
+    out = {}
+    for it in items:
+        if "=" not in it:
+            raise SystemExit(f"--set {it!r}: expected key=value, e.g. --set grpo.loss_type=grpo")
+        k, v = it.split("=", 1)
+        out[k] = yaml.safe_load(v)
+    return out
+
+
+def _records(run_dir: Path) -> dict[int, dict]:
+    """Latest metrics record per step (a re-run step appends a newer one)."""
+    p = run_dir / "metrics.jsonl"
+    if not p.exists():
+        return {}
+    out = {}
+    for line in p.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            out[r["step"]] = r
+    return out
+
+
+def _watch(run_dir: Path, total: int, stop: threading.Event, progress, task_id) -> None:
+    seen: set[int] = set()
+    while not stop.is_set():
+        for s, r in sorted(_records(run_dir).items()):
+            if s in seen:
+                continue
+            seen.add(s)
+            ph = " ".join(f"{k}={v:.2f}s" for k, v in r["phases"].items())
+            rew = f"reward={r['reward_mean']:.3f} " if "reward_mean" in r else ""
+            progress.console.print(f"step {s:3d} {r['kind']:5s} {rew}loss={r['loss']:+.4f} | {ph}")
+            progress.update(task_id, completed=len(seen))
+        stop.wait(0.5)
+
+
+def summary_tables(summary: dict):
+    from rich.table import Table
+
+    steps = summary["steps"]
+    phases: dict[str, dict[str, list[float]]] = {}
+    for s in steps:
+        for k, v in s["phases"].items():
+            phases.setdefault(k, {}).setdefault(s["kind"], []).append(v)
+    t1 = Table(title="Per-phase wall seconds (mean per step, measured by the stages)")
+    t1.add_column("phase")
+    kinds = sorted({s["kind"] for s in steps})
+    for k in kinds:
+        t1.add_column(f"{k} steps", justify="right")
+    for ph, by in phases.items():
+        t1.add_row(ph, *[f"{sum(by.get(k, [0])) / max(len(by.get(k, [])), 1):.3f}" if k in by else "-" for k in kinds])
+    t2 = Table(title="Reward per step")
+    for c in ("step", "kind", "reward", "loss", "grad norm", "parity mean", "seconds"):
+        t2.add_column(c, justify="right")
+    for s in steps:
+        t2.add_row(str(s["step"]), s["kind"], f"{s['reward_mean']:.3f}" if "reward_mean" in s else "-",
+                   f"{s['loss']:+.4f}", f"{s['grad_norm']:.3g}",
+                   f"{s['parity_mean']:.2e}" if "parity_mean" in s else "-", f"{s['stage_seconds']:.2f}")
+    return t1, t2
+
+
+def cmd_train(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from configs.schema import load_config
+
+    overrides = _parse_set(args.set)
+    if args.steps is not None:
+        overrides["steps.total"] = args.steps
+    if args.run_dir is not None:
+        overrides["run_dir"] = args.run_dir
+    cfg = load_config(args.config, overrides)  # fail fast on a bad config, before Prefect starts
+    from flows.train import train
+
+    console = Console()
+    run_dir = Path(cfg.run_dir)
+    stop = threading.Event()
+    t0 = time.time()
+    with Progress(TextColumn("[bold]latent GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as progress:
+        tid = progress.add_task("steps", total=cfg.steps.total)
+        th = threading.Thread(target=_watch, args=(run_dir, cfg.steps.total, stop, progress, tid), daemon=True)
+        th.start()
+        try:
+            summary = train(config=args.config, overrides=overrides)
+        finally:
+            time.sleep(0.6)
+            stop.set()
+            th.join()
+    t1, t2 = summary_tables(summary)
+    console.print(t1)
+    console.print(t2)
+    rewards = [s.get("reward_mean") for s in summary["steps"] if "reward_mean" in s]
+    if len(rewards) >= 2:
+        n = min(5, len(rewards) // 2)
+        console.print(f"fresh-step reward: first {n} mean {sum(rewards[:n]) / n:.3f}, last {n} mean "
+                      f"{sum(rewards[-n:]) / n:.3f} (seed {summary['seed']})")
+    b, a = summary["eval_before"], summary["eval_after"]
+    console.print(f"held-out eval: reward {b['reward_mean']:.3f} -> {a['reward_mean']:.3f}, completion "
+                  f"{b['completion_rate']:.2f} -> {a['completion_rate']:.2f}, tool errors "
+                  f"{b['tool_error_rate']:.2f} -> {a['tool_error_rate']:.2f}")
+    console.print(f"run dir {summary['run_dir']}; total {time.time() - t0:.1f}s")
+    return 0
+
+
+def cmd_rerun(args) -> int:
+    from flows.rerun import rerun_stage
+
+    res = rerun_stage(run_dir=args.run_dir, step=args.step, stage=args.stage)
+    print(json.dumps(res, indent=2, default=str))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from artifacts import RunDir, read_json
+    from stages.evaluate import evaluate
+
+    rd = RunDir(Path(args.run_dir))
+    prep = read_json(rd.root / "prepared.json")
+    steps = [s for s in rd.steps() if rd.adapter(s).exists()]
+    if args.step is None and not steps:
+        adapter, tag = prep["adapter_init"], "before"
+    else:
+        step = args.step if args.step is not None else steps[-1]
+        adapter, tag = str(rd.adapter(step)), f"step-{step:04d}"
+    exports = sorted((rd.root / "export").iterdir())
+    res = evaluate(str(rd.root), tag, adapter, str(exports[-1]), prep["base"])
+    print(json.dumps(res, indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="lgrpo", description="latent-GRPO trainer (one Prefect flow per step)")
+    ap.add_argument("-v", "--verbose", action="store_true", help="show Prefect's INFO logs")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="run a training job")
+    t.add_argument("--config", default="tiny", help="preset name (configs/*.yaml) or a YAML path")
+    t.add_argument("--steps", type=int, default=None)
+    t.add_argument("--run-dir", default=None)
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. grpo.loss_type=grpo")
+    r = sub.add_parser("rerun", help="re-run a stored step from its artifacts")
+    r.add_argument("--run-dir", required=True)
+    r.add_argument("--step", type=int, required=True)
+    r.add_argument("--stage", default=None, help="force this stage and all later ones to re-run")
+    e = sub.add_parser("eval", help="held-out evaluation of a step's adapter")
+    e.add_argument("--run-dir", required=True)
+    e.add_argument("--step", type=int, default=None)
+    args = ap.parse_args(argv)
+    _quiet_prefect(args.verbose)
+    from configs.schema import ConfigError
+
+    try:
+        return {"train": cmd_train, "rerun": cmd_rerun, "eval": cmd_eval}[args.cmd](args)
+    except ConfigError as e:
+        print(f"lgrpo: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

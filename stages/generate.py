@@ -1,0 +1,100 @@
+"""sample-tasks and generate-turn: the model's side of a rollout round.
+
+generate-turn, for every active row: the trainer's latent loop samples K thoughts (z = mu + sigma*eps, seeded per
+(run seed, step, turn)) with their log-densities; the sampler writes the answer from the prompt embeddings
+prefix ⊕ thoughts ⊕ answer-open and returns its processed log-probs. Output: turn-TT.arrow.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from artifacts import RunDir, read_table, write_table
+from engine.chat import first_prompt
+from stages.context import env_factory, generator, run_config, seed_for, timer
+
+
+def sample_tasks(run_dir: str, step: int, base_in: str, split: str = "train", n_groups: int | None = None,
+                 out_path: str | None = None) -> dict:
+    """Tasks of one fresh step: `groups_per_step` tasks, each repeated `num_generations` times (a GRPO group).
+
+    Writes the initial row state (tasks.arrow): row, group, task json, prefix ids, done flags, history.
+    """
+    from engine.runtime import tokenizer
+
+    cfg = run_config(run_dir)
+    rd = RunDir(run_dir)
+    out = {"stage": "sample-tasks"}
+    with timer(out):
+        env = env_factory(cfg)()
+        n_groups = n_groups or cfg.grpo.groups_per_step
+        seed = seed_for(cfg.seed, cfg.gym.train_split_seed, step, split) % (2**31)
+        tasks = env.sample_tasks(n_groups, seed=seed, split=split)
+        tok = tokenizer(base_in)
+        G = cfg.grpo.num_generations if split == "train" else 1
+        rows = [(g, t) for g, t in enumerate(tasks) for _ in range(G)]
+        prefixes = [np.asarray(tok(first_prompt(env.reset(t)))["input_ids"], dtype=np.int32) for _, t in rows]
+        path = out_path or str(rd.ensure(step).step_dir(step) / "tasks.arrow")
+        write_table(path, {
+            "row": np.arange(len(rows), dtype=np.int32),
+            "group": np.asarray([g for g, _ in rows], dtype=np.int32),
+            "task": [json.dumps(t.to_dict()) for _, t in rows],
+            "prefix_ids": prefixes,
+            "done": np.zeros(len(rows), dtype=bool),
+            "reward": np.zeros(len(rows), dtype=np.float32),
+            "history": [json.dumps([]) for _ in rows],
+        }, metadata={"step": str(step), "split": split})
+        out.update(path=path, rows=len(rows), groups=n_groups)
+    return out
+
+
+def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in: str, export_in: str,
+                  base_in: str, out_path: str | None = None) -> dict:
+    """One model turn for the active rows of `state_in` (tasks.arrow or the previous gym-TT.arrow)."""
+    import torch
+
+    from engine import model as M
+    from engine import runtime
+
+    cfg = run_config(run_dir)
+    runtime.set_threads(cfg.threads)
+    out = {"stage": "generate-turn", "turn": turn}
+    with timer(out):
+        state = read_table(state_in)
+        done = state.column("done").to_numpy(zero_copy_only=False)
+        active = [i for i in range(state.num_rows) if not done[i]]
+        prefixes_all = state.column("prefix_ids").to_pylist()
+        prefixes = [prefixes_all[i] for i in active]
+        tok_dir = base_in  # the base checkpoint carries its tokenizer
+        trainer = runtime.trainer(cfg, base_in, tok_dir)
+        trainer.use_adapter(adapter_in)
+        sampler = runtime.sampler(cfg, export_in, tok_dir)
+        sampler.use_adapter(adapter_in)
+        K = cfg.latent.max_latent_steps
+        sigma = cfg.latent.sigma * trainer.scale
+        with timer(out, "latent_s"):
+            z, logq = M.latent_loop(trainer.model, prefixes, K, sigma, trainer.scale, trainer.toks,
+                                    generator(cfg.seed, step, turn, "latent"))
+        with timer(out, "answers_s"):
+            prompts = [M.prompt_embeddings(sampler.model, p, z[i], sampler.toks) for i, p in enumerate(prefixes)]
+            with torch.no_grad():
+                ids, lps = M.sample_answers(sampler.model, prompts, cfg.sampler.max_answer_tokens,
+                                            cfg.sampler.temperature, sampler.toks, generator(cfg.seed, step, turn, "sampler"))
+        tok = runtime.tokenizer(tok_dir)
+        texts = [tok.decode(a[:-1] if a and a[-1] == trainer.toks.eos else a, skip_special_tokens=False) for a in ids]
+        d = z.shape[-1]
+        path = out_path or str(RunDir(run_dir).turn(step, turn))
+        write_table(path, {
+            "row": np.asarray(active, dtype=np.int32),
+            "prefix_ids": [np.asarray(p, dtype=np.int32) for p in prefixes],
+            "thoughts": [z[i].numpy().astype(np.float32).reshape(K, d) for i in range(len(active))],
+            "thought_logq": [logq[i].numpy().astype(np.float32) for i in range(len(active))],
+            "answer_ids": [np.asarray(a, dtype=np.int32) for a in ids],
+            "sampler_logps": [np.asarray(lp, dtype=np.float32) for lp in lps],
+            "answer_text": texts,
+        }, metadata={"step": str(step), "turn": str(turn), "K": str(K), "d": str(d), "sigma": repr(sigma)})
+        out.update(path=path, rows=len(active), answer_tokens=sum(len(a) for a in ids),
+                   prefix_tokens=sum(len(p) for p in prefixes))
+    return out

@@ -1,0 +1,165 @@
+"""optimize: GRPO loss on the driver -> per-token weights -> back-propagation of Σ w·logp -> AdamW.
+
+The loss (TRL semantics, engine/loss.py) is evaluated on the *detached* per-token log-probs that replay stored;
+w_i = d loss / d logp_i. The engine then back-propagates Σ w_i·logp_i micro-batch by micro-batch, using the live
+autograd graph replay left behind, or — when there is none (a rerun from stored artifacts, a restarted
+worker) — by re-scoring each micro-batch and checking the recomputed log-probs equal the stored ones bit for bit.
+Both paths run the same micro-batches in the same order, so they give the same gradients.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from artifacts import RunDir, read_table, read_tensors, to_tensor_list, write_adapter_dir, write_json, write_tensors
+from engine import gates
+from engine import model as M
+from engine.loss import grpo_loss, importance_sampling_ratio, token_weights
+from engine.replay import from_sequences, microbatches, score_microbatch, to_sequences
+from stages.context import run_config, timer
+from stages.replay import live_key, load_turns
+
+
+def _adapter_params(model) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def _optimizer(cfg, params: list[tuple[str, torch.nn.Parameter]], state_in: str | None) -> torch.optim.AdamW:
+    oc = cfg.optimizer
+    opt = torch.optim.AdamW([p for _, p in params], lr=oc.lr, betas=tuple(oc.betas), eps=oc.eps,
+                            weight_decay=oc.weight_decay)
+    if state_in:
+        tensors, meta = read_tensors(state_in)
+        names = json.loads(meta["names"])
+        if names != [n for n, _ in params]:
+            raise ValueError(f"{state_in}: optimizer state was saved for different adapter parameters")
+        state = {i: {"step": tensors[f"{i}.step"], "exp_avg": tensors[f"{i}.exp_avg"],
+                     "exp_avg_sq": tensors[f"{i}.exp_avg_sq"]} for i in range(len(names))}
+        sd = opt.state_dict()
+        sd["state"] = state
+        opt.load_state_dict(sd)
+    return opt
+
+
+def _optimizer_tensors(opt, params) -> tuple[dict, dict]:
+    tensors = {}
+    for i, (_, p) in enumerate(params):
+        st = opt.state[p]
+        tensors[f"{i}.step"] = st["step"].detach().clone().reshape(())
+        tensors[f"{i}.exp_avg"] = st["exp_avg"].detach().clone()
+        tensors[f"{i}.exp_avg_sq"] = st["exp_avg_sq"].detach().clone()
+    return tensors, {"names": json.dumps([n for n, _ in params])}
+
+
+def _per_turn(table, col: str) -> list[torch.Tensor]:
+    return to_tensor_list(table, col, torch.float32)
+
+
+def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_replay_in: str, adapter_in: str,
+             optimizer_in: str | None, base_in: str) -> dict:
+    from engine import runtime
+
+    cfg = run_config(run_dir)
+    runtime.set_threads(cfg.threads)
+    rd = RunDir(run_dir)
+    g = cfg.grpo
+    out = {"stage": "optimize"}
+    with timer(out):
+        turns, roll = load_turns(rollouts_in)
+        rep, old = read_table(replay_in), read_table(old_replay_in)
+        n_rows = int(roll.schema.metadata[b"rows"])
+        rows = turns.rows
+        K = int(roll.schema.metadata[b"K"])
+        sigma = float(roll.schema.metadata[b"sigma"])
+        cat = lambda a, b: [torch.cat([x, y]) for x, y in zip(a, b)]  # noqa: E731  thoughts ⊕ answer, per turn
+        lp_turn = cat(_per_turn(rep, "trainer_logq"), _per_turn(rep, "trainer_logps"))
+        old_turn = cat(_per_turn(old, "trainer_logq"), _per_turn(old, "trainer_logps"))
+        samp_turn = cat(_per_turn(roll, "thought_logq"), _per_turn(roll, "sampler_logps"))
+        keep = [torch.tensor(k, dtype=torch.float32) for k in old.column("loss_mask").to_pylist()]
+        mask_turn = [torch.cat([torch.ones(K), k]) for k in keep]
+        lengths = [x.numel() for x in lp_turn]
+
+        lp, mask = to_sequences(rows, lp_turn, n_rows)  # (B, T)
+        old_lp, _ = to_sequences(rows, old_turn, n_rows)
+        samp_lp, _ = to_sequences(rows, samp_turn, n_rows)
+        mask = mask * to_sequences(rows, mask_turn, n_rows)[0]
+        adv_by_row = {r: a for r, a in zip(rows, roll.column("advantage").to_pylist())}
+        adv = torch.tensor([adv_by_row.get(r, 0.0) for r in range(n_rows)], dtype=torch.float32)  # (B,)
+        is_ratio = None
+        if g.vllm_importance_sampling_correction:
+            is_ratio = importance_sampling_ratio(old_lp, samp_lp, mask, g.vllm_importance_sampling_mode,
+                                                 g.vllm_importance_sampling_clip_max, g.vllm_importance_sampling_clip_min)
+        metrics: dict = {}
+
+        def loss_fn(x):
+            loss, m = grpo_loss(x, old_lp, adv, mask, loss_type=g.loss_type, epsilon=g.epsilon,
+                                epsilon_high=g.epsilon_high, delta=g.delta,
+                                importance_sampling_level=g.importance_sampling_level, is_ratio=is_ratio,
+                                max_completion_length=g.max_completion_length)
+            metrics.update(m)
+            metrics["loss"] = float(loss)
+            return loss
+
+        w = token_weights(lp, loss_fn)  # (B, T) = d loss / d logp
+        w_turn = from_sequences(rows, lengths, w)
+        w_thought = [x[:K] * g.thought_loss_weight for x in w_turn]
+        w_answer = [x[K:] for x in w_turn]
+
+        engine = runtime.trainer(cfg, base_in, base_in)
+        engine.use_adapter(adapter_in)
+        params = _adapter_params(engine.model)
+        opt = _optimizer(cfg, params, optimizer_in)
+        opt.zero_grad(set_to_none=False)
+        for _, p in params:
+            p.grad = torch.zeros_like(p)
+        live = engine.live.pop(live_key(rollouts_in, engine.adapter_digest), None)
+        out["live_graph"] = live is not None
+        mbs = microbatches(turns.lengths())
+        with timer(out, "backward_s"):
+            for j, idx in enumerate(mbs):
+                if live is not None:
+                    _, a, q = live[j]
+                else:
+                    with torch.enable_grad():
+                        a, q = score_microbatch(engine, turns, idx, cfg.sampler.temperature, sigma)
+                    _check_bitwise(step, idx, a, q, rep)
+                obj = sum((w_answer[i] * a[n]).sum() + (w_thought[i] * q[n]).sum() for n, i in enumerate(idx))
+                obj.backward()
+        grads = [p.grad for _, p in params]
+        gnorm = float(torch.linalg.vector_norm(torch.stack([x.norm() for x in grads])))
+        signal = bool((adv != 0).any()) and bool(mask.any())
+        if not torch.isfinite(torch.tensor(gnorm)):
+            raise gates.GateFailed("finite-gradients", f"gradient norm is {gnorm} at step {step}")
+        if cfg.gates.require_nonzero_grad and signal and gnorm == 0.0:
+            raise gates.GateFailed("nonzero-gradients", f"step {step} had non-zero advantages but an all-zero gradient")
+        if cfg.optimizer.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_([p for _, p in params], cfg.optimizer.max_grad_norm)
+        engine.adapter_digest = None  # weights change below: nothing may trust the old digest
+        opt.step()
+        adapter_dir = rd.adapter(step)
+        digest = write_adapter_dir(adapter_dir, M.adapter_config_dict(engine.model), M.adapter_state(engine.model))
+        engine.adapter_digest = digest
+        tensors, meta = _optimizer_tensors(opt, params)
+        write_tensors(rd.optimizer(step), tensors, meta)
+        metrics.update(grad_norm=gnorm, signal=signal, tokens=int(mask.sum()), rollouts=n_rows)
+        write_json(rd.loss(step), metrics)
+        out.update(adapter=str(adapter_dir), adapter_digest=digest, optimizer=str(rd.optimizer(step)),
+                   loss=metrics["loss"], grad_norm=gnorm, signal=signal)
+    return out
+
+
+def _check_bitwise(step: int, idx: list[int], a: list[torch.Tensor], q: torch.Tensor, rep) -> None:
+    """Re-scored log-probs must equal what replay stored, bit for bit (same weights, same micro-batch)."""
+    stored_a = rep.column("trainer_logps").to_pylist()
+    stored_q = rep.column("trainer_logq").to_pylist()
+    for n, i in enumerate(idx):
+        sa = torch.tensor(stored_a[i], dtype=torch.float32)
+        sq = torch.tensor(stored_q[i], dtype=torch.float32)
+        if not (torch.equal(a[n].detach(), sa) and torch.equal(q[n].detach(), sq)):
+            diff = max(float((a[n].detach() - sa).abs().max(initial=0)), float((q[n].detach() - sq).abs().max(initial=0)))
+            raise gates.GateFailed(
+                "replay-determinism",
+                f"step {step}: re-scored turn {i} differs from the stored replay by {diff:.3e} "
+                "(the weights, micro-batch layout or kernels changed between replay and optimize)")

@@ -1,0 +1,190 @@
+"""Run preparation: tokenizer, bootstrapped base (cached, keyed by its config), initial adapter.
+
+The tokenizer and the bootstrap base are derived artifacts: their directory name is a hash of everything that
+determines them, so a second run with the same settings reuses them (and a changed setting never does).
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+from artifacts import RunDir, atomic_write, dir_digest, write_adapter_dir, write_json
+from configs.schema import config_hash
+from engine.chat import episode_text, first_prompt, observation_block
+from stages.context import env_factory, run_config, timer
+
+
+def _oracle_episodes(cfg, n: int, seed: int) -> list[dict]:
+    """Expert episodes from the gym's oracle: question, answers, observations (train split only)."""
+    make = env_factory(cfg)
+    env = make()
+    episodes = []
+    for task in env.sample_tasks(n, seed=seed, split="train"):
+        q = env.reset(task)
+        answers = env.oracle_answers(task)
+        obs = []
+        for a in answers:
+            res = env.step(a)
+            if res.done:
+                break
+            obs.append(res.observation)
+        episodes.append({"question": q, "answers": answers, "observations": obs, "reward": res.reward})
+    return episodes
+
+
+def _seal_dir(src: Path, dst: Path) -> str:
+    """Copy every file of `src` into `dst` as verified artifacts (atomic, with sidecars); returns dir digest."""
+    tmp = dst.with_name(dst.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    for f in sorted(src.rglob("*")):
+        if f.is_file():
+            atomic_write(tmp / f.relative_to(src), lambda t, f=f: shutil.copyfile(f, t))
+    if dst.exists():
+        shutil.rmtree(dst)
+    tmp.rename(dst)
+    return dir_digest(dst)
+
+
+def prepare_tokenizer(run_dir: str) -> dict:
+    """Train the BPE tokenizer on oracle episodes of the built-in gym (or use tokenizer.path)."""
+    from engine.tokenizer import train_tokenizer
+
+    cfg = run_config(run_dir)
+    out = {"stage": "tokenizer"}
+    with timer(out):
+        if cfg.tokenizer.path:
+            out["path"] = str(Path(cfg.tokenizer.path).resolve())
+            out["cached"] = True
+            return out
+        key = config_hash(cfg, "tokenizer", "gym")
+        target = RunDir(run_dir).tokenizer_dir(key)
+        if target.exists():
+            dir_digest(target)  # verifies
+            out.update(path=str(target), cached=True)
+            return out
+        corpus = [episode_text(e["question"], e["answers"], e["observations"])
+                  for e in _oracle_episodes(cfg, 2000, seed=cfg.gym.train_split_seed + 7)]
+        scratch = target.with_name(target.name + ".build")
+        train_tokenizer(corpus, cfg.tokenizer.vocab_size, scratch)
+        _seal_dir(scratch, target)
+        shutil.rmtree(scratch)
+        out.update(path=str(target), cached=False)
+    return out
+
+
+def _turn_examples(episodes: list[dict], tok) -> list[tuple[list[int], list[int]]]:
+    """(prefix ids, answer ids) per model turn of each episode, built by concatenation as in generation."""
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    ex = []
+    for e in episodes:
+        prefix = tok(first_prompt(e["question"]))["input_ids"]
+        for i, a in enumerate(e["answers"]):
+            ans = tok(a)["input_ids"] + [eos]
+            ex.append((prefix, ans))
+            if i < len(e["observations"]):
+                prefix = prefix + ans + tok(observation_block(e["observations"][i]))["input_ids"]
+    return ex
+
+
+def bootstrap_base(run_dir: str, tok_dir: str) -> dict:
+    """The base model GRPO starts from: a random-init tiny hybrid, fine-tuned on oracle trajectories.
+
+    The supervised turns carry stochastic thoughts from the model's own latent loop (no gradient through them),
+    so the base learns to answer after K thoughts exactly as it will in rollouts.
+    """
+    import torch
+
+    from engine import model as M
+    from engine.runtime import set_threads, tokenizer
+
+    cfg = run_config(run_dir)
+    set_threads(cfg.threads)
+    out = {"stage": "bootstrap"}
+    with timer(out):
+        if cfg.model.source == "pretrained":
+            out.update(path=str(Path(cfg.model.path).resolve()), cached=True)
+            return out
+        tok = tokenizer(tok_dir)
+        key = config_hash(cfg, "model", "bootstrap", "latent", "gym", "tokenizer")[:12] + "-" + dir_digest(tok_dir)[:8]
+        target = RunDir(run_dir).bootstrap_dir(key)
+        if target.exists():
+            dir_digest(target)
+            out.update(path=str(target), cached=True)
+            return out
+        toks = M.Tokens.of(tok)
+        model = M.build_random_model(cfg.model.arch, len(tok), toks.pad, toks.eos, cfg.model.init_seed, cfg.model.dtype)
+        losses = []
+        if cfg.bootstrap.enabled:
+            losses = _supervised(cfg, model, tok, toks)
+        scratch = target.with_name(target.name + ".build")
+        model.save_pretrained(scratch)
+        tok.save_pretrained(scratch)
+        _seal_dir(scratch, target)
+        shutil.rmtree(scratch)
+        write_json(target.parent / f"{key}.report.json", {"losses": losses})
+        out.update(path=str(target), cached=False, first_loss=losses[0] if losses else None,
+                   last_loss=losses[-1] if losses else None)
+    return out
+
+
+def _supervised(cfg, model, tok, toks) -> list[float]:
+    import torch
+
+    from engine import model as M
+
+    bc = cfg.bootstrap
+    episodes = _oracle_episodes(cfg, bc.episodes, seed=cfg.gym.train_split_seed)
+    examples = _turn_examples(episodes, tok)
+    rng = random.Random(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=bc.lr, weight_decay=0.0)
+    n_batches = bc.epochs * ((len(examples) + bc.batch_size - 1) // bc.batch_size)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 20) * max(0.05, 1 - i / n_batches))
+    losses = []
+    K = cfg.latent.max_latent_steps
+    for _ in range(bc.epochs):
+        order = list(range(len(examples)))
+        rng.shuffle(order)
+        for b in range(0, len(order), bc.batch_size):
+            batch = [examples[i] for i in order[b:b + bc.batch_size]]
+            prefixes = [p for p, _ in batch]
+            answers = [a for _, a in batch]
+            scale = M.embed_scale(model)
+            sigma = cfg.latent.sigma * scale
+            model.eval()
+            z, _ = M.latent_loop(model, prefixes, K, sigma, scale, toks, gen)
+            model.train()
+            lp, _ = M.score_turns(model, prefixes, list(z), answers, 1.0, sigma, scale, toks)
+            loss = -torch.cat(lp).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            losses.append(round(loss.item(), 5))
+    model.eval()
+    return losses
+
+
+def init_adapter(run_dir: str, base_dir: str) -> dict:
+    """The step-0 adapter: PEFT's initialization (LoRA B = 0, so the policy starts as the base), seeded."""
+    import torch
+
+    from engine import model as M
+
+    cfg = run_config(run_dir)
+    out = {"stage": "init-adapter"}
+    with timer(out):
+        target = RunDir(run_dir).root / "adapter-init"
+        if target.exists():
+            out.update(path=str(target), digest=dir_digest(target), cached=True)
+            return out
+        base = M.load_base(base_dir, cfg.model.dtype)
+        torch.manual_seed(cfg.seed)
+        peft_model = M.attach_adapter(base, cfg.adapter)
+        digest = write_adapter_dir(target, M.adapter_config_dict(peft_model), M.adapter_state(peft_model))
+        out.update(path=str(target), digest=digest, cached=False)
+    return out

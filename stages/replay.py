@@ -1,0 +1,85 @@
+"""replay: re-score every stored turn under the step's input adapter (saved thoughts are inputs).
+
+Writes replay.arrow (per turn: trainer answer log-probs, thought log-densities, loss mask). On a fresh step it also
+runs the rollout parity gate (trainer vs sampler, same adapter): the report goes to parity.json and is appended
+to parity_history.jsonl; rare tokens above the per-token limit are masked out of the loss; a mean above its
+limit raises GateFailed. The autograd graph stays with the engine for `optimize` (same process).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from artifacts import RunDir, append_jsonl, read_table, to_tensor_list, verify, write_json, write_table
+from engine import gates
+from engine.replay import Turns, microbatches, score_microbatch
+from stages.context import run_config, timer
+
+
+def load_turns(rollouts_in: str) -> tuple[Turns, object]:
+    t = read_table(rollouts_in)
+    turns = Turns(
+        prefixes=t.column("prefix_ids").to_pylist(),
+        thoughts=to_tensor_list(t, "thoughts", torch.float32),
+        answers=t.column("answer_ids").to_pylist(),
+        rows=t.column("row").to_pylist(),
+    )
+    return turns, t
+
+
+def live_key(rollouts_in: str, adapter_digest: str) -> tuple[str, str]:
+    return (verify(rollouts_in), adapter_digest)
+
+
+def replay(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: str, fresh: bool,
+           keep_graph: bool = True) -> dict:
+    from engine import runtime
+
+    cfg = run_config(run_dir)
+    runtime.set_threads(cfg.threads)
+    rd = RunDir(run_dir)
+    out = {"stage": "replay", "fresh": fresh}
+    with timer(out):
+        turns, table = load_turns(rollouts_in)
+        sigma = float(table.schema.metadata[b"sigma"])
+        engine = runtime.trainer(cfg, base_in, base_in)
+        engine.use_adapter(adapter_in)
+        engine.live.clear()
+        mbs = microbatches(turns.lengths())
+        ans_lp: list = [None] * len(turns.rows)
+        logq: list = [None] * len(turns.rows)
+        live = []
+        with torch.set_grad_enabled(keep_graph):
+            for idx in mbs:
+                a, q = score_microbatch(engine, turns, idx, cfg.sampler.temperature, sigma)
+                live.append((idx, a, q))
+                for j, i in enumerate(idx):
+                    ans_lp[i] = a[j].detach()
+                    logq[i] = q[j].detach()
+        trainer_lp = [x.tolist() for x in ans_lp]
+        sampler_lp = table.column("sampler_logps").to_pylist()
+        if fresh:
+            report, keep = gates.rollout_parity(
+                trainer_lp, sampler_lp, mean_max=cfg.gates.parity_mean_max,
+                token_max=cfg.gates.parity_token_max, min_prob=cfg.gates.parity_min_prob)
+            report["step"] = step
+            write_json(rd.parity(step), report)
+            append_jsonl(rd.parity_history(), {k: v for k, v in report.items()} | {"masked": len(report["masked_tokens"])})
+            gates.check_parity(report)
+            out.update(parity_mean=report["mean_gap"], parity_max=report["max_gap"], masked=len(report["masked_tokens"]))
+        else:
+            keep = [[True] * len(x) for x in trainer_lp]
+        path = str(rd.replay(step))
+        write_table(path, {
+            "row": np.asarray(turns.rows, dtype=np.int32),
+            "trainer_logps": [x.numpy().astype(np.float32) for x in ans_lp],
+            "trainer_logq": [x.numpy().astype(np.float32) for x in logq],
+            "loss_mask": [np.asarray(k, dtype=bool) for k in keep],
+        }, metadata={"step": str(step), "fresh": str(fresh), "adapter": engine.adapter_digest,
+                     "microbatches": str(len(mbs))})
+        if keep_graph:
+            engine.live[live_key(rollouts_in, engine.adapter_digest)] = live
+        out.update(path=path, turns=len(turns.rows), microbatches=len(mbs),
+                   tokens=sum(turns.lengths()))
+    return out

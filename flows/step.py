@@ -65,7 +65,7 @@ def grpo_step(run_dir: str, step: int, force_from: Stage | None = None) -> dict:
     inp = step_inputs(run_dir, step)
     base = inp["base"]
     summaries = []
-    ex = _refresh(T.export_base, "export", force_from)(run_dir, step, base)
+    ex = _refresh(T.export_base, "export", force_from)(run_dir, base)
     summaries.append(ex)
     fresh = inp["kind"] == "fresh"
     if fresh:

@@ -54,7 +54,7 @@ def retry_unless_gate(task, task_run, state) -> bool:
 def _stage_task(name: str, retries: int, delays: list[float]):
     return task(name=name, cache_policy=ARTIFACT_CACHE, persist_result=True, retries=retries,
                 retry_delay_seconds=delays, retry_jitter_factor=0.5, retry_condition_fn=retry_unless_gate,
-                task_run_name=name + "-{step}" if name not in ("prepare-tokenizer", "bootstrap-base", "init-adapter") else name)
+                task_run_name=name + "-{step}" if name not in ("prepare-tokenizer", "bootstrap-base", "init-adapter", "export") else name)
 
 
 @_stage_task("prepare-tokenizer", 1, [2])
@@ -79,7 +79,7 @@ def init_adapter(run_dir: str, base_in: str) -> dict:
 
 
 @_stage_task("export", 1, [2])
-def export_base(run_dir: str, step: int, base_in: str) -> dict:
+def export_base(run_dir: str, base_in: str) -> dict:
     from stages.export import export_base as fn
 
     return fn(run_dir, base_in)

@@ -53,7 +53,7 @@ def train(config: str = "tiny", steps: int | None = None, run_dir: str | None = 
     init = T.init_adapter(run_dir, base["path"])
     write_json(rd.root / "prepared.json", {"tokenizer": tok["path"], "base": base["path"],
                                            "adapter_init": init["path"], "bootstrap": base})
-    ex = T.export_base(run_dir, 0, base["path"])
+    ex = T.export_base(run_dir, base["path"])
     before = T.evaluate(run_dir, "before", init["path"], ex["path"], base["path"])
     history = []
     for step in range(cfg.steps.total):

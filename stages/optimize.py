@@ -99,7 +99,7 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
                                 importance_sampling_level=g.importance_sampling_level, is_ratio=is_ratio,
                                 max_completion_length=g.max_completion_length)
             metrics.update(m)
-            metrics["loss"] = float(loss)
+            metrics["loss"] = loss.item()
             return loss
 
         w = token_weights(lp, loss_fn)  # (B, T) = d loss / d logp

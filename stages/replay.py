@@ -14,6 +14,7 @@ import torch
 from artifacts import RunDir, append_jsonl, read_table, to_tensor_list, verify, write_json, write_table
 from engine import gates
 from engine.replay import Turns, microbatches, score_microbatch
+from stages import faults
 from stages.context import run_config, timer
 
 
@@ -54,6 +55,7 @@ def replay(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: 
             for idx in mbs:
                 a, q = score_microbatch(engine, turns, idx, cfg.sampler.temperature, sigma)
                 live.append((idx, a, q))
+                faults.maybe_kill("replay", step)
                 for j, i in enumerate(idx):
                     ans_lp[i] = a[j].detach()
                     logq[i] = q[j].detach()

@@ -1,0 +1,65 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from configs.schema import CONFIG_DIR, ConfigError, RunConfig, load_config
+
+PRESETS = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_loads(name):
+    cfg = load_config(name)
+    assert isinstance(cfg, RunConfig)
+    assert cfg.gates.parity_mean_max == 0.1 and cfg.gates.parity_token_max == 1.0  # the seed's limits
+
+
+def test_presets_exist():
+    assert {"tiny", "qwen35-27b"} <= set(PRESETS)
+
+
+def test_trl_names_and_defaults():
+    g = RunConfig().grpo
+    assert (g.loss_type, g.epsilon, g.beta, g.importance_sampling_level) == ("dapo", 0.2, 0.0, "token")
+    assert g.vllm_importance_sampling_mode == "sequence_mask" and g.vllm_importance_sampling_clip_max == 3.0
+
+
+def test_unknown_key_is_rejected_with_its_path(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("grpo:\n  loss_typ: dapo\n")
+    with pytest.raises(ConfigError, match=r"grpo\.loss_typ: unknown key"):
+        load_config(p)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"grpo.loss_type": "ppo"}, "loss_type"),
+    ({"grpo.beta": 0.04}, "set beta: 0.0"),
+    ({"grpo.loss_type": "cispo"}, "epsilon_high"),
+    ({"steps.pattern": ["reuse", "fresh"]}, "must start with `fresh`"),
+    ({"adapter.targets": ["conv1d"]}, "conv1d"),
+    ({"sampler.kind": "vllm"}, "use `hf`"),
+    ({"model.quantization": "nf4"}, "bfloat16"),
+    ({"model.source": "pretrained"}, "model.path"),
+])
+def test_invalid_combinations_fail_at_load(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny", overrides)
+
+
+def test_unknown_section_in_override():
+    with pytest.raises(ConfigError, match="unknown config section `nope`"):
+        load_config("tiny", {"nope.x": 1})
+
+
+def test_missing_preset_lists_presets():
+    with pytest.raises(ConfigError, match="tiny"):
+        load_config("does-not-exist")
+
+
+def test_configs_and_flows_import_without_torch():
+    code = ("import sys; import configs, configs.schema, flows.train, flows.step, flows.rerun, flows.tasks; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    res = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr

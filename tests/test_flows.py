@@ -1,0 +1,72 @@
+"""Steps through Prefect (prefect_test_harness): task states, caching on re-run, and a gate failure."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import make_run
+
+pytestmark = pytest.mark.slow
+
+
+def _states(state):
+    from flows.rerun import task_states
+
+    return task_states(state.state_details.flow_run_id)
+
+
+def test_two_steps_task_states_and_cached_rerun(prefect_harness, tmp_path):
+    from flows.step import grpo_step
+
+    run_dir = make_run(tmp_path / "run", **{"steps.pattern": ["fresh", "reuse"]})
+    s0 = grpo_step(run_dir, 0, return_state=True)
+    assert s0.is_completed(), s0
+    st0 = _states(s0)
+    assert st0["export"] == "Completed"
+    for name in ("sample-tasks-0", "generate-turn-0-0", "run-gym-0-0", "collect-rollouts-0", "replay-0", "optimize-0"):
+        assert st0[name] == "Completed", (name, st0)
+
+    s1 = grpo_step(run_dir, 1, return_state=True)  # reuse step: replays step 0's rollouts
+    st1 = _states(s1)
+    assert st1 == {"export": "Cached", "replay-1": "Completed", "optimize-1": "Completed"}, st1
+    m1 = s1.result()
+    assert m1["kind"] == "reuse" and set(m1["phases"]) == {"export", "replay", "optimize"}
+
+    again = _states(grpo_step(run_dir, 1, return_state=True))  # nothing changed: everything comes back Cached
+    assert set(again.values()) == {"Cached"}, again
+
+    forced = _states(grpo_step(run_dir, 1, force_from="optimize", return_state=True))
+    assert forced["replay-1"] == "Cached" and forced["optimize-1"] == "Completed", forced
+
+
+def test_gate_failure_fails_the_task_without_retry(prefect_harness, tmp_path, monkeypatch):
+    """A sampler that over-reports its log-probs by 3 nat (an injected defect) fails the rollout-parity gate."""
+    from prefect.states import State
+
+    from engine import model as M
+    from flows.step import grpo_step
+
+    real = M.sample_answers
+
+    def off_by_three(*args, **kwargs):
+        ids, lps = real(*args, **kwargs)
+        return ids, [[x + 3.0 for x in row] for row in lps]
+
+    monkeypatch.setattr(M, "sample_answers", off_by_three)
+    run_dir = make_run(tmp_path / "run")
+    state: State = grpo_step(run_dir, 0, return_state=True)
+    assert state.is_failed()
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+    replay = [r for r in runs if r.name == "replay-0"]
+    assert len(replay) == 1 and replay[0].state.name == "Failed"
+    assert replay[0].run_count == 1, "GateFailed must not be retried"
+    assert "rollout-parity" in replay[0].state.message
+    assert not [r for r in runs if r.name.startswith("optimize")], "nothing after a failed gate may run"
+    from artifacts import RunDir, read_json
+
+    report = read_json(RunDir(tmp_path / "run").parity(0))
+    assert report["passed"] is False and report["mean_gap"] == pytest.approx(3.0, abs=1e-3)

@@ -66,7 +66,9 @@ class TableGym:
     """Multi-turn lookup-and-calculate gym. One episode at a time: ``reset(task)`` then ``step(...)``.
 
     Options: ``table_size`` (entries per task table, 2..24, default 6), ``max_value`` (values are drawn
-    from 1..max_value, default 30), ``ops`` (subset of plus/minus/times).
+    from 1..max_value, default 30), ``ops`` (subset of plus/minus/times), ``progress_reward`` (reward for the
+    first successful lookup of each of the two names the question asks about, default 0: only a correct final
+    answer earns 1.0). Shaping gives GRPO signal while a small model still fails the final answer.
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class TableGym:
         table_size: int = 6,
         max_value: int = 30,
         ops: Sequence[str] = tuple(OPS),
+        progress_reward: float = 0.0,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"TableGym: max_turns must be >= 1, got {max_turns}")
@@ -89,6 +92,10 @@ class TableGym:
         self.table_size = table_size
         self.max_value = max_value
         self.ops = tuple(ops)
+        if not 0.0 <= progress_reward <= 1.0:
+            raise ValueError(f"TableGym: progress_reward must be in [0, 1], got {progress_reward}")
+        self.progress_reward = progress_reward
+        self._found: set[str] = set()
         self.tools: list[Tool] = [self._lookup_tool(), CALC_TOOL]
         self._task: Task | None = None
         self._table: dict[str, int] = {}
@@ -176,6 +183,7 @@ class TableGym:
         self._task = task
         self._table = dict(table)
         self._metrics = EpisodeMetrics()
+        self._found = set()
         self._done = False
         return task.question
 
@@ -196,9 +204,21 @@ class TableGym:
             tool_name = parsed.name
         if tool_error:
             self._metrics.tool_errors += 1
+        reward = self._progress(parsed) if not tool_error else 0.0
         if self._metrics.turns >= self.max_turns:
-            return self._finish(observation, 0.0, REASON_MAX_TURNS, tool_error=tool_error, tool_name=tool_name)
-        return StepResult(observation, 0.0, False, self._info(tool_error, tool_name, None))
+            return self._finish(observation, reward, REASON_MAX_TURNS, tool_error=tool_error, tool_name=tool_name)
+        return StepResult(observation, reward, False, self._info(tool_error, tool_name, None))
+
+    def _progress(self, call: ToolCall) -> float:
+        """`progress_reward` for the first lookup of each name the question asks about."""
+        if call.name != "lookup" or not self.progress_reward:
+            return 0.0
+        _, a, b, _ = _unpack(self._task)
+        key = str(call.arguments.get("key", "")).strip()
+        if key in (a, b) and key not in self._found:
+            self._found.add(key)
+            return self.progress_reward
+        return 0.0
 
     def _finish(
         self, observation: str | None, reward: float, reason: str, *, tool_error: bool, tool_name: str | None

@@ -145,28 +145,40 @@ def _supervised(cfg, model, tok, toks) -> list[float]:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 20) * max(0.05, 1 - i / n_batches))
     losses = []
     K = cfg.latent.max_latent_steps
+    ROUND = 8  # thoughts are sampled for ROUND batches at once (one wide latent loop), then trained on
     for _ in range(bc.epochs):
         order = list(range(len(examples)))
         rng.shuffle(order)
-        for b in range(0, len(order), bc.batch_size):
-            batch = [examples[i] for i in order[b:b + bc.batch_size]]
-            prefixes = [p for p, _ in batch]
-            answers = [a for _, a in batch]
+        batches = [order[b:b + bc.batch_size] for b in range(0, len(order), bc.batch_size)]
+        for r in range(0, len(batches), ROUND):
+            chunk = [i for b in batches[r:r + ROUND] for i in b]
             scale = M.embed_scale(model)
             sigma = cfg.latent.sigma * scale
             model.eval()
-            z, _ = M.latent_loop(model, prefixes, K, sigma, scale, toks, gen)
+            z, _ = M.latent_loop(model, [examples[i][0] for i in chunk], K, sigma, scale, toks, gen)
             model.train()
-            lp, _ = M.score_turns(model, prefixes, list(z), answers, 1.0, sigma, scale, toks)
-            loss = -torch.cat(lp).mean()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            losses.append(round(loss.item(), 5))
+            thought = dict(zip(chunk, z))
+            for b in batches[r:r + ROUND]:
+                losses.append(_sft_update(model, opt, sched, [examples[i] for i in b], [thought[i] for i in b],
+                                          sigma, scale, toks))
     model.eval()
     return losses
+
+
+def _sft_update(model, opt, sched, batch, thoughts, sigma, scale, toks) -> float:
+    """One supervised step: -mean log-prob of the oracle answer tokens, thoughts as inputs."""
+    import torch
+
+    from engine import model as M
+
+    lp, _ = M.score_turns(model, [p for p, _ in batch], thoughts, [a for _, a in batch], 1.0, sigma, scale, toks)
+    loss = -torch.cat(lp).mean()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return round(loss.item(), 5)
 
 
 def init_adapter(run_dir: str, base_dir: str) -> dict:

@@ -412,3 +412,17 @@ def test_registry_errors() -> None:
         make_env_factory("table", {"colour": "red"})
     with pytest.raises(GymRegistryError, match="pkg.module:Factory"):
         make_env_factory("gym.table:", {})
+
+
+def test_progress_reward_pays_each_asked_lookup_once() -> None:
+    env = TableGym(progress_reward=0.25)
+    task = env.sample_tasks(1, seed=3)[0]
+    answers = env.oracle_answers(task)
+    env.reset(task)
+    rewards = [env.step(answers[0]).reward, env.step(answers[0]).reward, env.step(answers[1]).reward]
+    assert rewards == [0.25, 0.0, 0.25]
+    other = next(k for k in task.data["table"] if k not in (task.data["a"], task.data["b"]))
+    env.reset(task)
+    assert env.step(format_tool_call("lookup", {"key": other})).reward == 0.0
+    with pytest.raises(ValueError, match="progress_reward"):
+        TableGym(progress_reward=2.0)

@@ -13,8 +13,13 @@ from pathlib import Path
 import yaml
 
 
-def _quiet_prefect(verbose: bool) -> None:
+def _quiet(verbose: bool) -> None:
+    """Keep the console for the progress display: Prefect at WARNING, no HF progress bars or deprecation noise."""
+    import warnings
+
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -96,8 +101,11 @@ def cmd_train(args) -> int:
     if args.run_dir is not None:
         overrides["run_dir"] = args.run_dir
     cfg = load_config(args.config, overrides)  # fail fast on a bad config, before Prefect starts
+    from transformers.utils import logging as hf_logging
+
     from flows.train import train
 
+    hf_logging.disable_progress_bar()
     console = Console()
     run_dir = Path(cfg.run_dir)
     stop = threading.Event()
@@ -140,6 +148,7 @@ def cmd_rerun(args) -> int:
 def cmd_eval(args) -> int:
     from artifacts import RunDir, read_json
     from stages.evaluate import evaluate
+    from stages.export import export_base
 
     rd = RunDir(Path(args.run_dir))
     prep = read_json(rd.root / "prepared.json")
@@ -149,8 +158,8 @@ def cmd_eval(args) -> int:
     else:
         step = args.step if args.step is not None else steps[-1]
         adapter, tag = str(rd.adapter(step)), f"step-{step:04d}"
-    exports = sorted((rd.root / "export").iterdir())
-    res = evaluate(str(rd.root), tag, adapter, str(exports[-1]), prep["base"])
+    export = export_base(str(rd.root), prep["base"])["path"]  # exists after training: returns its path
+    res = evaluate(str(rd.root), tag, adapter, export, prep["base"])
     print(json.dumps(res, indent=2))
     return 0
 
@@ -172,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--run-dir", required=True)
     e.add_argument("--step", type=int, default=None)
     args = ap.parse_args(argv)
-    _quiet_prefect(args.verbose)
+    _quiet(args.verbose)
     from configs.schema import ConfigError
 
     try:

@@ -26,19 +26,14 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 
 def prepare(run_dir: Path, episodes: int) -> str:
-    from artifacts import write_json
     from configs.schema import load_config
     from flows.train import init_run_dir
-    from stages.prepare import bootstrap_base, init_adapter, prepare_tokenizer
+    from stages.prepare import prepare_run
 
     cfg = load_config("tiny", {"run_dir": str(run_dir), "bootstrap.episodes": episodes, "bootstrap.epochs": 1,
                                "steps.pattern": ["fresh", "reuse"]})
     rd = init_run_dir(cfg)
-    tok = prepare_tokenizer(str(rd.root))
-    base = bootstrap_base(str(rd.root), tok["path"])
-    init = init_adapter(str(rd.root), base["path"])
-    write_json(rd.root / "prepared.json", {"tokenizer": tok["path"], "base": base["path"],
-                                           "adapter_init": init["path"], "bootstrap": base})
+    prepare_run(str(rd.root))
     return str(rd.root)
 
 

@@ -21,6 +21,12 @@ STAGES = ["export", "sample-tasks", "generate-turn", "run-gym", "collect-rollout
 Stage = Literal["export", "sample-tasks", "generate-turn", "run-gym", "collect-rollouts", "replay", "optimize"]
 
 
+def _run(task, stage: str, force_from: str | None, *args) -> dict:
+    """Run a stage task; its summary says whether Prefect returned it from the cache (it then cost no time)."""
+    state = _refresh(task, stage, force_from)(*args, return_state=True)
+    return state.result() | {"cached": state.name == "Cached"}  # result() re-raises a failed task's error
+
+
 def _refresh(task, stage: str, force_from: str | None):
     if force_from is None:
         return task
@@ -65,45 +71,49 @@ def grpo_step(run_dir: str, step: int, force_from: Stage | None = None) -> dict:
     inp = step_inputs(run_dir, step)
     base = inp["base"]
     summaries = []
-    ex = _refresh(T.export_base, "export", force_from)(run_dir, base)
+    ex = _run(T.export_base, "export", force_from, run_dir, base)
     summaries.append(ex)
     fresh = inp["kind"] == "fresh"
     if fresh:
-        st = _refresh(T.sample_tasks, "sample-tasks", force_from)(run_dir, step, base)
+        st = _run(T.sample_tasks, "sample-tasks", force_from, run_dir, step, base)
         summaries.append(st)
         state, turn_paths, gym_paths = st["path"], [], []
         for turn in range(cfg.gym.max_turns):
-            tr = _refresh(T.generate_turn, "generate-turn", force_from)(
-                run_dir, step, turn, state, inp["adapter"], ex["path"], base)
-            gr = _refresh(T.run_gym, "run-gym", force_from)(run_dir, step, turn, state, tr["path"], base)
+            tr = _run(T.generate_turn, "generate-turn", force_from,
+                      run_dir, step, turn, state, inp["adapter"], ex["path"], base)
+            gr = _run(T.run_gym, "run-gym", force_from, run_dir, step, turn, state, tr["path"], base)
             summaries += [tr, gr]
             turn_paths.append(tr["path"])
             gym_paths.append(gr["path"])
             state = gr["path"]
             if gr["all_done"]:
                 break
-        ro = _refresh(T.collect_rollouts, "collect-rollouts", force_from)(run_dir, step, turn_paths, gym_paths)
+        ro = _run(T.collect_rollouts, "collect-rollouts", force_from, run_dir, step, turn_paths, gym_paths)
         summaries.append(ro)
         rollouts = ro["path"]
     else:
         rollouts = inp["rollouts"]
-    rp = _refresh(T.replay, "replay", force_from)(run_dir, step, rollouts, inp["adapter"], base, fresh)
+    rp = _run(T.replay, "replay", force_from, run_dir, step, rollouts, inp["adapter"], base, fresh)
     summaries.append(rp)
     old_replay = rp["path"] if fresh else inp["old_replay"]
-    op = _refresh(T.optimize, "optimize", force_from)(
-        run_dir, step, rollouts, rp["path"], old_replay, inp["adapter"], inp["optimizer"], base)
+    op = _run(T.optimize, "optimize", force_from,
+              run_dir, step, rollouts, rp["path"], old_replay, inp["adapter"], inp["optimizer"], base)
     summaries.append(op)
     return publish(run_dir, step, inp["kind"], summaries)
 
 
 def phase_times(summaries: list[dict]) -> dict[str, float]:
-    """Seconds per phase, as measured by the stages (generation split into latent loop and answers)."""
+    """Seconds per phase, as measured by the stages (generation split into latent loop and answers).
+
+    Stages Prefect returned from the cache cost nothing in this run and are left out."""
     ph: dict[str, float] = {}
 
     def add(k, v):
         ph[k] = round(ph.get(k, 0.0) + v, 4)
 
     for s in summaries:
+        if s.get("cached"):
+            continue
         name = s["stage"]
         if name == "generate-turn":
             add("latent", s.get("latent_s", 0.0))
@@ -118,7 +128,8 @@ def publish(run_dir: str, step: int, kind: str, summaries: list[dict]) -> dict:
     rd = RunDir(Path(run_dir))
     ph = phase_times(summaries)
     by = {s["stage"]: s for s in summaries}
-    metrics = {"step": step, "kind": kind, "stage_seconds": round(sum(ph.values()), 4)}
+    metrics = {"step": step, "kind": kind, "stage_seconds": round(sum(ph.values()), 4),
+               "cached": sorted({s["stage"] for s in summaries if s.get("cached")})}
     if "collect-rollouts" in by:
         c = by["collect-rollouts"]
         metrics.update({k: c[k] for k in ("reward_mean", "reward_std", "completion_rate", "tool_error_rate",

@@ -1,7 +1,7 @@
 """Prefect tasks: thin wrappers around `stages/` functions. Importable without torch (stages load lazily).
 
 Cache keys hash the *contents* of input artifacts (parameters named `*_in`, paths or lists of paths), the other
-parameters, the run's id and the task's source. Re-running a step therefore skips every stage whose inputs are
+parameters, the run's id, the stage code and the task's source. Re-running a step therefore skips every stage whose inputs are
 unchanged (state Cached) and re-runs the failed one and what follows. `GateFailed` is never retried.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +29,24 @@ def _content(value: Any) -> Any:
     return dir_digest(p) if p.is_dir() else verify(p)
 
 
+@lru_cache(maxsize=1)
+def code_digest() -> str:
+    """Digest of the code a stage runs (stages/, engine/, gym/, artifacts/): new code never reuses old results."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for pkg in ("stages", "engine", "gym", "artifacts"):
+        for f in sorted((root / pkg).rglob("*.py")):
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
 def artifact_cache_key(ctx, parameters: dict[str, Any]) -> str:
-    """Hash of the run id, plain parameters and the contents of every `*_in` artifact."""
+    """Hash of the run id, the stage code, plain parameters and the contents of every `*_in` artifact."""
     run_dir = parameters.get("run_dir")
     run_id = read_json(Path(run_dir) / "run.json")["run_id"] if run_dir else ""
     keyed = {k: (_content(v) if k.endswith("_in") else v) for k, v in sorted(parameters.items())}
-    blob = json.dumps({"run": run_id, "task": ctx.task.name, "params": keyed}, sort_keys=True, default=str)
+    blob = json.dumps({"run": run_id, "code": code_digest(), "task": ctx.task.name, "params": keyed},
+                      sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

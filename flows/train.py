@@ -16,6 +16,7 @@ from artifacts import RunDir, atomic_write, read_json, write_json
 from configs.schema import RunConfig, load_config
 from flows import tasks as T
 from flows.step import grpo_step
+from stages.prepare import record_prepared
 
 
 def init_run_dir(cfg: RunConfig) -> RunDir:
@@ -51,8 +52,7 @@ def train(config: str = "tiny", steps: int | None = None, run_dir: str | None = 
     tok = T.prepare_tokenizer(run_dir)
     base = T.bootstrap_base(run_dir, tok["path"])
     init = T.init_adapter(run_dir, base["path"])
-    write_json(rd.root / "prepared.json", {"tokenizer": tok["path"], "base": base["path"],
-                                           "adapter_init": init["path"], "bootstrap": base})
+    record_prepared(run_dir, tok, base, init)
     ex = T.export_base(run_dir, base["path"])
     before = T.evaluate(run_dir, "before", init["path"], ex["path"], base["path"])
     history = []

@@ -53,8 +53,11 @@ def _optimizer_tensors(opt, params) -> tuple[dict, dict]:
     return tensors, {"names": json.dumps([n for n, _ in params])}
 
 
-def _per_turn(table, col: str) -> list[torch.Tensor]:
-    return to_tensor_list(table, col, torch.float32)
+def _thoughts_then_answer(table, thought_col: str, answer_col: str) -> list[torch.Tensor]:
+    """Per turn: [thought terms (K), answer tokens (L)], the layout of one turn inside a GRPO sequence."""
+    thoughts = to_tensor_list(table, thought_col, torch.float32)
+    answers = to_tensor_list(table, answer_col, torch.float32)
+    return [torch.cat([q, a]) for q, a in zip(thoughts, answers)]
 
 
 def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_replay_in: str, adapter_in: str,
@@ -73,10 +76,9 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
         rows = turns.rows
         K = int(roll.schema.metadata[b"K"])
         sigma = float(roll.schema.metadata[b"sigma"])
-        cat = lambda a, b: [torch.cat([x, y]) for x, y in zip(a, b)]  # noqa: E731  thoughts ⊕ answer, per turn
-        lp_turn = cat(_per_turn(rep, "trainer_logq"), _per_turn(rep, "trainer_logps"))
-        old_turn = cat(_per_turn(old, "trainer_logq"), _per_turn(old, "trainer_logps"))
-        samp_turn = cat(_per_turn(roll, "thought_logq"), _per_turn(roll, "sampler_logps"))
+        lp_turn = _thoughts_then_answer(rep, "trainer_logq", "trainer_logps")
+        old_turn = _thoughts_then_answer(old, "trainer_logq", "trainer_logps")
+        samp_turn = _thoughts_then_answer(roll, "thought_logq", "sampler_logps")
         keep = [torch.tensor(k, dtype=torch.float32) for k in old.column("loss_mask").to_pylist()]
         mask_turn = [torch.cat([torch.ones(K), k]) for k in keep]
         lengths = [x.numel() for x in lp_turn]
@@ -124,7 +126,7 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
                 else:
                     with torch.enable_grad():
                         a, q = score_microbatch(engine, turns, idx, cfg.sampler.temperature, sigma)
-                    _check_bitwise(step, idx, a, q, rep)
+                    _check_bitwise(step, idx, a, q, lp_turn)
                 obj = sum((w_answer[i] * a[n]).sum() + (w_thought[i] * q[n]).sum() for n, i in enumerate(idx))
                 obj.backward()
         grads = [p.grad for _, p in params]
@@ -150,15 +152,12 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
     return out
 
 
-def _check_bitwise(step: int, idx: list[int], a: list[torch.Tensor], q: torch.Tensor, rep) -> None:
+def _check_bitwise(step: int, idx: list[int], a: list[torch.Tensor], q: torch.Tensor, stored: list[torch.Tensor]) -> None:
     """Re-scored log-probs must equal what replay stored, bit for bit (same weights, same micro-batch)."""
-    stored_a = rep.column("trainer_logps").to_pylist()
-    stored_q = rep.column("trainer_logq").to_pylist()
     for n, i in enumerate(idx):
-        sa = torch.tensor(stored_a[i], dtype=torch.float32)
-        sq = torch.tensor(stored_q[i], dtype=torch.float32)
-        if not (torch.equal(a[n].detach(), sa) and torch.equal(q[n].detach(), sq)):
-            diff = max(float((a[n].detach() - sa).abs().max(initial=0)), float((q[n].detach() - sq).abs().max(initial=0)))
+        fresh = torch.cat([q[n].detach(), a[n].detach()])
+        if not torch.equal(fresh, stored[i]):
+            diff = float((fresh - stored[i]).abs().max())
             raise gates.GateFailed(
                 "replay-determinism",
                 f"step {step}: re-scored turn {i} differs from the stored replay by {diff:.3e} "

@@ -200,3 +200,18 @@ def init_adapter(run_dir: str, base_dir: str) -> dict:
         digest = write_adapter_dir(target, M.adapter_config_dict(peft_model), M.adapter_state(peft_model))
         out.update(path=str(target), digest=digest, cached=False)
     return out
+
+
+def record_prepared(run_dir: str, tok: dict, base: dict, init: dict) -> None:
+    """prepared.json: where this run's tokenizer, base and initial adapter are (steps read it)."""
+    write_json(RunDir(run_dir).root / "prepared.json", {"tokenizer": tok["path"], "base": base["path"],
+                                                        "adapter_init": init["path"], "bootstrap": base})
+
+
+def prepare_run(run_dir: str) -> dict:
+    """Tokenizer, bootstrap base and initial adapter without Prefect (benchmarks, tests)."""
+    tok = prepare_tokenizer(run_dir)
+    base = bootstrap_base(run_dir, tok["path"])
+    init = init_adapter(run_dir, base["path"])
+    record_prepared(run_dir, tok, base, init)
+    return {"tokenizer": tok, "base": base, "adapter_init": init}

@@ -48,16 +48,11 @@ def prefect_harness(tmp_path_factory):
 
 def make_run(tmp_path, **overrides) -> str:
     """Create a run directory and prepare it (tokenizer, small bootstrap, initial adapter) through the stages."""
-    from artifacts import write_json
     from configs.schema import load_config
     from flows.train import init_run_dir
-    from stages.prepare import bootstrap_base, init_adapter, prepare_tokenizer
+    from stages.prepare import prepare_run
 
     cfg = load_config("tiny", {**SMALL, "run_dir": str(tmp_path), **overrides})
     rd = init_run_dir(cfg)
-    tok = prepare_tokenizer(str(rd.root))
-    base = bootstrap_base(str(rd.root), tok["path"])
-    init = init_adapter(str(rd.root), base["path"])
-    write_json(rd.root / "prepared.json", {"tokenizer": tok["path"], "base": base["path"],
-                                           "adapter_init": init["path"], "bootstrap": base})
+    prepare_run(str(rd.root))
     return str(rd.root)

@@ -30,7 +30,7 @@ def test_two_steps_task_states_and_cached_rerun(prefect_harness, tmp_path):
     st1 = _states(s1)
     assert st1 == {"export": "Cached", "replay-1": "Completed", "optimize-1": "Completed"}, st1
     m1 = s1.result()
-    assert m1["kind"] == "reuse" and set(m1["phases"]) == {"export", "replay", "optimize"}
+    assert m1["kind"] == "reuse" and set(m1["phases"]) == {"replay", "optimize"} and m1["cached"] == ["export"]
 
     again = _states(grpo_step(run_dir, 1, return_state=True))  # nothing changed: everything comes back Cached
     assert set(again.values()) == {"Cached"}, again

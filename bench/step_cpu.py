@@ -1,7 +1,11 @@
 """Per-phase seconds of one fresh and one reuse GRPO step of the embedded default on the CPU, through Prefect,
 and Prefect's overhead as a share of step time.
 
-    python bench/step_cpu.py [--bootstrap-episodes 64] [--json out.json]
+    python bench/step_cpu.py [--from-run runs/tiny] [--bootstrap-episodes N] [--json out.json]
+
+`--from-run` copies the tokenizer and bootstrap base of an earlier run of the default config (saves the ~4 min
+bootstrap); without it the bench bootstraps itself (`--bootstrap-episodes` shrinks that, but a less trained base
+writes different answers, so its step times are not the default's).
 
 Steps 0 (fresh) and 1 (reuse) warm the engines up (model loads, first-call costs); steps 2 (fresh) and 3 (reuse)
 are measured. Stage seconds are measured inside the stages; the step's wall time is measured around the flow
@@ -25,27 +29,34 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 
-def prepare(run_dir: Path, episodes: int) -> str:
+def prepare(run_dir: Path, episodes: int | None, from_run: str | None) -> str:
     from configs.schema import load_config
     from flows.train import init_run_dir
     from stages.prepare import prepare_run
 
-    cfg = load_config("tiny", {"run_dir": str(run_dir), "bootstrap.episodes": episodes, "bootstrap.epochs": 1,
-                               "steps.pattern": ["fresh", "reuse"]})
+    import shutil
+
+    overrides = {"run_dir": str(run_dir), "steps.pattern": ["fresh", "reuse"]}
+    if episodes is not None:
+        overrides["bootstrap.episodes"] = episodes
+    cfg = load_config("tiny", overrides)
     rd = init_run_dir(cfg)
+    for sub in ("tokenizer", "bootstrap") if from_run else ():
+        shutil.copytree(Path(from_run) / sub, rd.root / sub, dirs_exist_ok=True)
     prepare_run(str(rd.root))
     return str(rd.root)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--bootstrap-episodes", type=int, default=64)
+    ap.add_argument("--bootstrap-episodes", type=int, default=None)
+    ap.add_argument("--from-run", default=None, help="reuse tokenizer + bootstrap of a run of the default config")
     ap.add_argument("--run-dir", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="lgrpo-bench-"))
     t = time.perf_counter()
-    rd = prepare(run_dir, args.bootstrap_episodes)
+    rd = prepare(run_dir, args.bootstrap_episodes, args.from_run)
     print(f"prepared {rd} in {time.perf_counter() - t:.1f}s")
     from flows.step import grpo_step
 

@@ -186,8 +186,6 @@ class RunConfig(_Strict):
             raise ValueError("model.source=pretrained needs model.path (a local checkpoint directory)")
         if self.model.quantization == "nf4" and self.model.dtype != "bfloat16":
             raise ValueError("model.quantization=nf4 computes in bf16: set model.dtype: bfloat16")
-        if self.model.source == "tiny" and self.bootstrap.enabled is False and self.tokenizer.path is None:
-            pass  # allowed: an untrained tiny model (benchmarks)
         return self
 
     def with_overrides(self, **dotted: Any) -> "RunConfig":

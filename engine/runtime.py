@@ -56,7 +56,7 @@ def tokenizer(tok_dir: str | Path):
     return _TOKENIZERS[key]
 
 
-def _build(role: str, model_dir: str | Path, tok_dir: str | Path, cfg) -> Engine:
+def _build(model_dir: str | Path, tok_dir: str | Path, cfg) -> Engine:
     tok = tokenizer(tok_dir)
     base = M.load_base(model_dir, cfg.model.dtype)
     torch.manual_seed(cfg.seed)  # adapter init (overwritten by use_adapter anyway)
@@ -69,7 +69,7 @@ def trainer(cfg, base_dir: str | Path, tok_dir: str | Path) -> Engine:
     """The policy the latent loop and replay run on: the base with FP32-master adapter weights."""
     key = ("trainer", str(Path(base_dir).resolve()), cfg.adapter.model_dump_json(), cfg.model.dtype)
     if key not in _ENGINES:
-        _ENGINES[key] = _build("trainer", base_dir, tok_dir, cfg)
+        _ENGINES[key] = _build(base_dir, tok_dir, cfg)
     return _ENGINES[key]
 
 
@@ -77,7 +77,7 @@ def sampler(cfg, export_dir: str | Path, tok_dir: str | Path) -> Engine:
     """The HF sampler: its own copy of the base, loaded from the export stage's checkpoint."""
     key = ("sampler", str(Path(export_dir).resolve()), cfg.adapter.model_dump_json(), cfg.model.dtype)
     if key not in _ENGINES:
-        _ENGINES[key] = _build("sampler", export_dir, tok_dir, cfg)
+        _ENGINES[key] = _build(export_dir, tok_dir, cfg)
     return _ENGINES[key]
 
 

@@ -67,7 +67,7 @@ def replay(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: 
                 token_max=cfg.gates.parity_token_max, min_prob=cfg.gates.parity_min_prob)
             report["step"] = step
             write_json(rd.parity(step), report)
-            append_jsonl(rd.parity_history(), {k: v for k, v in report.items()} | {"masked": len(report["masked_tokens"])})
+            append_jsonl(rd.parity_history(), report | {"masked": len(report["masked_tokens"])})
             gates.check_parity(report)
             out.update(parity_mean=report["mean_gap"], parity_max=report["max_gap"], masked=len(report["masked_tokens"]))
         else:

@@ -50,7 +50,7 @@ def _records(run_dir: Path) -> dict[int, dict]:
     return out
 
 
-def _watch(run_dir: Path, total: int, stop: threading.Event, progress, task_id) -> None:
+def _watch(run_dir: Path, stop: threading.Event, progress, task_id) -> None:
     seen: set[int] = set()
     while not stop.is_set():
         for s, r in sorted(_records(run_dir).items()):
@@ -113,7 +113,7 @@ def cmd_train(args) -> int:
     with Progress(TextColumn("[bold]latent GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         tid = progress.add_task("steps", total=cfg.steps.total)
-        th = threading.Thread(target=_watch, args=(run_dir, cfg.steps.total, stop, progress, tid), daemon=True)
+        th = threading.Thread(target=_watch, args=(run_dir, stop, progress, tid), daemon=True)
         th.start()
         try:
             summary = train(config=args.config, overrides=overrides)

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from engine.chat import ANSWER_OPEN, IM_END, PAD, THINK
 

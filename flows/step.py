@@ -16,6 +16,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from artifacts import RunDir, append_jsonl, read_json, write_json
 from flows import tasks as T
+from stages.context import run_config
 
 STAGES = ["export", "sample-tasks", "generate-turn", "run-gym", "collect-rollouts", "replay", "optimize"]
 Stage = Literal["export", "sample-tasks", "generate-turn", "run-gym", "collect-rollouts", "replay", "optimize"]
@@ -38,19 +39,11 @@ def _refresh(task, stage: str, force_from: str | None):
     return task.with_options(refresh_cache=True) if STAGES.index(stage) >= first else task
 
 
-def _config(run_dir: str):
-    import yaml
-
-    from configs.schema import RunConfig
-
-    return RunConfig.model_validate(yaml.safe_load(RunDir(Path(run_dir)).config().read_text()))
-
-
 def step_inputs(run_dir: str, step: int) -> dict:
     """Where step `step` reads its adapter, optimizer state and (reuse steps) rollouts from."""
     rd = RunDir(Path(run_dir))
     prep = read_json(rd.root / "prepared.json")
-    cfg = _config(run_dir)
+    cfg = run_config(run_dir)
     kind = cfg.steps.kind_of(step)
     out = {
         "kind": kind,
@@ -66,8 +59,8 @@ def step_inputs(run_dir: str, step: int) -> dict:
 
 @flow(name="grpo-step", flow_run_name="step-{step}", log_prints=True)
 def grpo_step(run_dir: str, step: int, force_from: Stage | None = None) -> dict:
-    cfg = _config(run_dir)
-    rd = RunDir(Path(run_dir)).ensure(step)
+    cfg = run_config(run_dir)
+    RunDir(Path(run_dir)).ensure(step)
     inp = step_inputs(run_dir, step)
     base = inp["base"]
     summaries = []

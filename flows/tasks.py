@@ -55,13 +55,7 @@ ARTIFACT_CACHE = CacheKeyFnPolicy(cache_key_fn=artifact_cache_key) + TASK_SOURCE
 
 def retry_unless_gate(task, task_run, state) -> bool:
     """Retry transient failures; a failed correctness gate is final."""
-    try:
-        state.result()
-    except GateFailed:
-        return False
-    except BaseException:  # noqa: BLE001 - classification only: any other failure is eligible for retry
-        return True
-    return True
+    return not isinstance(state.result(raise_on_failure=False), GateFailed)
 
 
 def _stage_task(name: str, retries: int, delays: list[float]):

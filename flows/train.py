@@ -12,7 +12,7 @@ import yaml
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 
-from artifacts import RunDir, atomic_write, read_json, write_json
+from artifacts import RunDir, atomic_write, write_json
 from configs.schema import RunConfig, load_config
 from flows import tasks as T
 from flows.step import grpo_step

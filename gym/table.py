@@ -20,6 +20,7 @@ from gym.tools import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     Tool,
+    ToolCall,
     ToolCallError,
     ToolError,
     format_tool_call,

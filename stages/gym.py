@@ -104,8 +104,8 @@ def collect_rollouts(run_dir: str, step: int, turn_ins: list[str], gym_ins: list
                 tool_errors += int(errs[r["row"]])
                 recs.append((r["row"], t, r))
         recs.sort(key=lambda x: (x[0], x[1]))
-        K = int(read_table(turn_ins[0]).schema.metadata[b"K"])
-        d = int(read_table(turn_ins[0]).schema.metadata[b"d"])
+        meta = read_table(turn_ins[0]).schema.metadata  # K, d and sigma are the same in every turn file
+        K, d = int(meta[b"K"]), int(meta[b"d"])
         path = out_path or str(RunDir(run_dir).rollouts(step))
         write_table(path, {
             "row": np.asarray([r for r, _, _ in recs], dtype=np.int32),
@@ -120,7 +120,7 @@ def collect_rollouts(run_dir: str, step: int, turn_ins: list[str], gym_ins: list
             "reward": np.asarray([float(rewards[r]) for r, _, _ in recs], dtype=np.float32),
             "advantage": np.asarray([float(adv[r]) for r, _, _ in recs], dtype=np.float32),
         }, metadata={"step": str(step), "K": str(K), "d": str(d), "rows": str(len(final)),
-                     "num_generations": str(G), "sigma": read_table(turn_ins[0]).schema.metadata[b"sigma"].decode()})
+                     "num_generations": str(G), "sigma": meta[b"sigma"].decode()})
         n = len(final)
         out.update(
             path=path, rollouts=n, turns=len(recs),

@@ -71,7 +71,8 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
     out = {"stage": "optimize"}
     with timer(out):
         turns, roll = load_turns(rollouts_in)
-        rep, old = read_table(replay_in), read_table(old_replay_in)
+        rep = read_table(replay_in)
+        old = rep if old_replay_in == replay_in else read_table(old_replay_in)  # fresh step: its own replay
         n_rows = int(roll.schema.metadata[b"rows"])
         rows = turns.rows
         K = int(roll.schema.metadata[b"K"])

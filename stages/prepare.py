@@ -95,8 +95,6 @@ def bootstrap_base(run_dir: str, tok_dir: str) -> dict:
     The supervised turns carry stochastic thoughts from the model's own latent loop (no gradient through them),
     so the base learns to answer after K thoughts exactly as it will in rollouts.
     """
-    import torch
-
     from engine import model as M
     from engine.runtime import set_threads, tokenizer
 

@@ -59,14 +59,22 @@ def test_latent_loop_same_seed_is_bitwise(tiny):
     assert z1.shape == (3, 4, model.config.hidden_size) and q1.shape == (3, 4)
 
 
+def _one_turn(tiny, seed: int, max_new: int):
+    """One model turn for every prefix: thoughts, their densities, sampled answers and sampler log-probs."""
+    cfg, _, toks, model, prefixes = tiny
+    scale, sigma = _scale_sigma(model, cfg)
+    gen = torch.Generator().manual_seed(seed)
+    z, q = M.latent_loop(model, prefixes, 4, sigma, scale, toks, gen)
+    prompts = [M.prompt_embeddings(model, p, z[i], toks) for i, p in enumerate(prefixes)]
+    ids, lps = M.sample_answers(model, prompts, max_new, 1.0, toks, gen)
+    return z, q, ids, lps
+
+
 def test_replay_matches_generation(tiny):
     """Trainer re-scoring vs what generation reported, same weights, FP32: the gap is rounding only (< 1e-4)."""
     cfg, _, toks, model, prefixes = tiny
     scale, sigma = _scale_sigma(model, cfg)
-    gen = torch.Generator().manual_seed(0)
-    z, q = M.latent_loop(model, prefixes, 4, sigma, scale, toks, gen)
-    prompts = [M.prompt_embeddings(model, p, z[i], toks) for i, p in enumerate(prefixes)]
-    ids, lps = M.sample_answers(model, prompts, 10, 1.0, toks, gen)
+    z, q, ids, lps = _one_turn(tiny, seed=0, max_new=10)
     with torch.no_grad():
         alp, q2 = M.score_turns(model, prefixes, list(z), ids, 1.0, sigma, scale, toks)
     for a, b in zip(alp, lps):
@@ -82,10 +90,7 @@ def test_token_weight_backprop_equals_direct_gradient(tiny):
 
     cfg, _, toks, model, prefixes = tiny
     scale, sigma = _scale_sigma(model, cfg)
-    gen = torch.Generator().manual_seed(1)
-    z, q = M.latent_loop(model, prefixes, 4, sigma, scale, toks, gen)
-    prompts = [M.prompt_embeddings(model, p, z[i], toks) for i, p in enumerate(prefixes)]
-    ids, lps = M.sample_answers(model, prompts, 8, 1.0, toks, gen)
+    z, _, ids, _ = _one_turn(tiny, seed=1, max_new=8)
     params = [p for p in model.parameters() if p.requires_grad]
     adv = torch.tensor([1.0, -0.5, 0.25])
     rows = [0, 1, 2]

@@ -93,7 +93,7 @@ def cmd_train(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from configs.schema import load_config
+    from configs.schema import ConfigError, load_config
 
     overrides = _parse_set(args.set)
     if args.steps is not None:
@@ -101,6 +101,12 @@ def cmd_train(args) -> int:
     if args.run_dir is not None:
         overrides["run_dir"] = args.run_dir
     cfg = load_config(args.config, overrides)  # fail fast on a bad config, before Prefect starts
+    from stages.context import reward_functions
+
+    try:
+        reward_functions(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     from transformers.utils import logging as hf_logging
 
     from flows.train import train
@@ -130,9 +136,11 @@ def cmd_train(args) -> int:
         console.print(f"fresh-step reward: first {n} mean {sum(rewards[:n]) / n:.3f}, last {n} mean "
                       f"{sum(rewards[-n:]) / n:.3f} (seed {summary['seed']})")
     b, a = summary["eval_before"], summary["eval_after"]
-    console.print(f"held-out eval: reward {b['reward_mean']:.3f} -> {a['reward_mean']:.3f}, completion "
-                  f"{b['completion_rate']:.2f} -> {a['completion_rate']:.2f}, tool errors "
-                  f"{b['tool_error_rate']:.2f} -> {a['tool_error_rate']:.2f}")
+    console.print(f"held-out eval ({a['episodes']} tasks): reward {b['reward_mean']:.3f} -> {a['reward_mean']:.3f}, "
+                  f"completion {b['completion_rate']:.2f} -> {a['completion_rate']:.2f}, tokens "
+                  f"{b['mean_tokens']:.0f} -> {a['mean_tokens']:.0f}, tool errors "
+                  f"{b['tool_error_rate']:.2f} -> {a['tool_error_rate']:.2f}, tool-result token share "
+                  f"{b['tool_token_share']:.2f} -> {a['tool_token_share']:.2f}")
     console.print(f"run dir {summary['run_dir']}; total {time.time() - t0:.1f}s")
     return 0
 
@@ -164,6 +172,22 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_verify_trace(args) -> int:
+    from gym.trace import TraceError, verify_trace
+
+    bad = 0
+    for path in args.paths:
+        try:
+            summary = verify_trace(path)
+        except (TraceError, OSError) as e:
+            print(f"FAILED {e}")
+            bad += 1
+        else:
+            print(f"ok {path}: episode {summary.episode}, {summary.calls} calls, "
+                  f"{len(summary.read_records)} receipts, head {summary.head[:16]}")
+    return 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="lgrpo", description="latent-GRPO trainer (one Prefect flow per step)")
     ap.add_argument("-v", "--verbose", action="store_true", help="show Prefect's INFO logs")
@@ -180,12 +204,17 @@ def main(argv: list[str] | None = None) -> int:
     e = sub.add_parser("eval", help="held-out evaluation of a step's adapter")
     e.add_argument("--run-dir", required=True)
     e.add_argument("--step", type=int, default=None)
+    v = sub.add_parser("verify-trace", help="verify stored provenance traces (hash chain and seal)")
+    v.add_argument("paths", nargs="+")
     args = ap.parse_args(argv)
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))  # user gyms and reward functions import from here, as with python -m
     _quiet(args.verbose)
     from configs.schema import ConfigError
 
     try:
-        return {"train": cmd_train, "rerun": cmd_rerun, "eval": cmd_eval}[args.cmd](args)
+        return {"train": cmd_train, "rerun": cmd_rerun, "eval": cmd_eval,
+                "verify-trace": cmd_verify_trace}[args.cmd](args)
     except ConfigError as e:
         print(f"lgrpo: {e}", file=sys.stderr)
         return 2

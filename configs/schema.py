@@ -78,12 +78,51 @@ class SamplerConfig(_Strict):
     max_answer_tokens: int = Field(48, ge=1)
 
 
+class FaultConfig(_Strict):
+    """Fault injection in the project's tool server (tests and drills; off by default)."""
+
+    rate: float = Field(0.0, ge=0, le=1, description="share of tool-server requests that get a fault")
+    kinds: list[Literal["latency", "http_5xx", "timeout", "reset", "refused", "malformed"]] = Field(
+        default_factory=lambda: ["latency", "http_5xx", "timeout", "reset", "refused", "malformed"])
+    seed: int = 0
+
+
+class ToolServerConfig(_Strict):
+    """Remote tools: an HTTP tool server on 127.0.0.1 that the run starts (url None) or an existing one (url)."""
+
+    url: str | None = Field(None, description="an already running tool server; None starts one per run")
+    timeout_s: float = Field(10.0, gt=0, description="per attempt (connect + response)")
+    max_attempts: int = Field(6, ge=1, description="attempts per call before a terminal ToolTransportError")
+    backoff_base_s: float = Field(0.2, gt=0, description="exponential backoff base; full jitter")
+    backoff_max_s: float = Field(10.0, gt=0)
+    concurrency: int = Field(16, ge=1, description="episodes stepped in parallel by run-gym")
+    faults: FaultConfig = FaultConfig()
+
+
 class GymConfig(_Strict):
     name: str = Field("table", description="built-in gym name, or an import path `pkg.module:Factory`")
     max_turns: int = Field(6, ge=1)
     train_split_seed: int = 1234
     eval_tasks: int = Field(32, ge=1)
+    token_budget: int = Field(
+        8192, ge=1, description="tokens per episode: the model's answers plus every tool result (the question is free)")
+    transport: Literal["local", "http"] = Field(
+        "local", description="local: tools run in the driver; http: through the tool server (gym.tool_server)")
+    tool_server: ToolServerConfig = ToolServerConfig()
+    reward_funcs: list[str] = Field(
+        default_factory=list,
+        description="TRL-style reward functions `pkg.module:fn` with (prompts, completions, **kwargs) -> list[float], "
+                    "called on finished episodes; their sum is added to the gym's reward")
     options: dict[str, Any] = Field(default_factory=dict, description="passed to the gym factory")
+
+    @model_validator(mode="after")
+    def _check(self) -> "GymConfig":
+        bad = [f for f in self.reward_funcs if ":" not in f]
+        if bad:
+            raise ValueError(f"gym.reward_funcs: {bad} must be import paths like `my_pkg.rewards:fn`")
+        if "tool_client" in self.options:
+            raise ValueError("gym.options.tool_client is set by the driver; choose gym.transport: local | http instead")
+        return self
 
 
 class BootstrapConfig(_Strict):
@@ -184,6 +223,11 @@ class RunConfig(_Strict):
             )
         if self.model.source == "pretrained" and not self.model.path:
             raise ValueError("model.source=pretrained needs model.path (a local checkpoint directory)")
+        max_pos = self.model.arch.get("max_position_embeddings")
+        if max_pos is not None and self.gym.token_budget + 256 > int(max_pos):
+            raise ValueError(
+                f"gym.token_budget={self.gym.token_budget} leaves no room for the question and the thoughts within "
+                f"model.arch.max_position_embeddings={max_pos}: lower the budget to at most {int(max_pos) - 256}")
         if self.model.quantization == "nf4" and self.model.dtype != "bfloat16":
             raise ValueError("model.quantization=nf4 computes in bf16: set model.dtype: bfloat16")
         return self
@@ -204,8 +248,10 @@ def _set_dotted(data: dict, key: str, value: Any) -> None:
     parts = key.split(".")
     node = data
     for p in parts[:-1]:
-        if p not in node or not isinstance(node[p], dict):
-            raise ConfigError(f"unknown config section `{p}` in override `{key}`")
+        if p not in node or node[p] is None:
+            node[p] = {}  # a section the file leaves at its defaults; validation rejects unknown names
+        if not isinstance(node[p], dict):
+            raise ConfigError(f"`{p}` in override `{key}` is a value, not a config section")
         node = node[p]
     node[parts[-1]] = value
 

@@ -199,10 +199,12 @@ def prompt_embeddings(model, prefix: list[int], thoughts: torch.Tensor, toks: To
 
 @torch.no_grad()
 def sample_answers(model, prompts: list[torch.Tensor], max_new: int, temperature: float, toks: Tokens,
-                   gen: torch.Generator) -> tuple[list[list[int]], list[list[float]]]:
+                   gen: torch.Generator, limits: list[int] | None = None) -> tuple[list[list[int]], list[list[float]]]:
     """Decode answers from prompt embeddings; returns token ids and processed (post-temperature) log-probs.
 
-    A row stops after it emits <|im_end|> (kept as its last token) or after `max_new` tokens.
+    A row stops after it emits <|im_end|> (kept as its last token), after `max_new` tokens, or after
+    `limits[i]` tokens (what is left of its episode's token budget). A row's tokens do not depend on the others'
+    limits: every row draws from the shared generator at every step while any row is live.
     """
     from transformers import DynamicCache
 
@@ -213,8 +215,11 @@ def sample_answers(model, prompts: list[torch.Tensor], max_new: int, temperature
     h = text(inputs_embeds=x, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).last_hidden_state[:, -1]
     ids: list[list[int]] = [[] for _ in range(B)]
     lps: list[list[float]] = [[] for _ in range(B)]
-    live = torch.ones(B, dtype=torch.bool)
-    for _ in range(max_new):
+    cap = [max_new if limits is None else max(0, min(max_new, int(limits[i]))) for i in range(B)]
+    live = torch.tensor([c > 0 for c in cap], dtype=torch.bool)
+    for n in range(max_new):
+        if not live.any():
+            break
         logp = torch.log_softmax(head(h).float() / temperature, -1)  # (B, V)
         nxt = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]  # (B,)
         chosen = logp.gather(1, nxt[:, None])[:, 0]
@@ -222,7 +227,7 @@ def sample_answers(model, prompts: list[torch.Tensor], max_new: int, temperature
             if live[i]:
                 ids[i].append(int(nxt[i]))
                 lps[i].append(float(chosen[i]))
-        live &= nxt != toks.eos
+        live &= (nxt != toks.eos) & torch.tensor([n + 1 < c for c in cap], dtype=torch.bool)
         if not live.any():
             break
         mask = torch.cat([mask, mask.new_ones(B, 1)], 1)

@@ -126,7 +126,8 @@ def publish(run_dir: str, step: int, kind: str, summaries: list[dict]) -> dict:
     if "collect-rollouts" in by:
         c = by["collect-rollouts"]
         metrics.update({k: c[k] for k in ("reward_mean", "reward_std", "completion_rate", "tool_error_rate",
-                                          "mean_turns", "answer_tokens")})
+                                          "mean_turns", "answer_tokens", "mean_tokens", "tool_token_share",
+                                          "end_reasons", "transport_retries", "traces_verified")})
     if "replay" in by and "parity_mean" in by["replay"]:
         metrics.update(parity_mean=by["replay"]["parity_mean"], parity_max=by["replay"]["parity_max"],
                        parity_masked=by["replay"]["masked"])

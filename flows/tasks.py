@@ -40,12 +40,31 @@ def code_digest() -> str:
     return h.hexdigest()
 
 
+def user_code_digest(run_dir: str) -> str:
+    """Digest of the source files of a user gym and reward functions the run names by import path (edited user
+    code re-runs its stages like edited project code does)."""
+    import importlib.util
+
+    from stages.context import run_config
+
+    cfg = run_config(run_dir)
+    h = hashlib.sha256()
+    for path in [cfg.gym.name, *cfg.gym.reward_funcs]:
+        module = path.partition(":")[0] if ":" in path else None
+        spec = importlib.util.find_spec(module) if module else None
+        if spec is not None and spec.origin and Path(spec.origin).is_file():
+            h.update(path.encode() + b"\0" + Path(spec.origin).read_bytes())
+    return h.hexdigest()
+
+
 def artifact_cache_key(ctx, parameters: dict[str, Any]) -> str:
-    """Hash of the run id, the stage code, plain parameters and the contents of every `*_in` artifact."""
+    """Hash of the run id, the stage code (project and user), plain parameters and the contents of every `*_in`
+    artifact."""
     run_dir = parameters.get("run_dir")
     run_id = read_json(Path(run_dir) / "run.json")["run_id"] if run_dir else ""
+    user = user_code_digest(run_dir) if run_dir else ""
     keyed = {k: (_content(v) if k.endswith("_in") else v) for k, v in sorted(parameters.items())}
-    blob = json.dumps({"run": run_id, "code": code_digest(), "task": ctx.task.name, "params": keyed},
+    blob = json.dumps({"run": run_id, "code": code_digest(), "user": user, "task": ctx.task.name, "params": keyed},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 

@@ -14,10 +14,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
-# Why an episode ended: the model gave a final answer, or it ran out of turns.
-DoneReason = Literal["answer", "max_turns"]
+# Why an episode ended: the model gave a final answer, it ran out of turns, or out of its token budget
+# (the driver ends an episode with "budget"; gyms themselves end with "answer" or "max_turns").
+DoneReason = Literal["answer", "max_turns", "budget"]
 REASON_ANSWER: DoneReason = "answer"
 REASON_MAX_TURNS: DoneReason = "max_turns"
+REASON_BUDGET: DoneReason = "budget"
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,15 @@ class StepResult:
 
 @runtime_checkable
 class Env(Protocol):
-    """What the trainer needs from an environment."""
+    """What the trainer needs from an environment.
+
+    Optional extras the driver uses when present:
+
+    * ``reset(task, episode_id=...)``: the driver passes a run-unique episode id (``run:step:row``) when
+      ``reset`` accepts the keyword; gyms with server-side tools key their calls and trace by it;
+    * ``close() -> list[dict] | None``: called once when the episode ends for any reason (answer, max_turns,
+      budget); returns the episode's sealed provenance trace (``gym.trace``) or None.
+    """
 
     def reset(self, task: Task) -> str:
         """Start an episode on ``task``; return the first observation (the user prompt)."""

@@ -1,4 +1,4 @@
-"""Gym lookup by name: a built-in (``table``) or an import path ``pkg.module:Factory``."""
+"""Gym lookup by name: a built-in (``table``, ``research``) or an import path ``pkg.module:Factory``."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from collections.abc import Callable
 from typing import Any
 
 from gym.protocol import Env
+from gym.research import ResearchGym
 from gym.table import TableGym
 
-BUILTIN_GYMS: dict[str, Callable[..., Env]] = {"table": TableGym}
+BUILTIN_GYMS: dict[str, Callable[..., Env]] = {"table": TableGym, "research": ResearchGym}
 
 
 class GymRegistryError(ValueError):

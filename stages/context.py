@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from artifacts import RunDir, sha256_file
-from configs.schema import RunConfig
+from configs.schema import RunConfig, config_hash
 
 
 @lru_cache(maxsize=8)
@@ -48,7 +48,94 @@ def timer(out: dict, key: str = "wall_s"):
         out[key] = round(time.perf_counter() - t0, 4)
 
 
-def env_factory(cfg: RunConfig):
+def env_factory(cfg: RunConfig, run_dir: str | Path | None = None):
+    """A zero-argument builder of the configured gym. With ``gym.transport: http`` and a run directory, the
+    gym's tools go through the run's tool server (started on first use); otherwise they run in-process."""
     from gym.registry import make_env_factory
 
-    return make_env_factory(cfg.gym.name, {"max_turns": cfg.gym.max_turns, **cfg.gym.options})
+    options = {"max_turns": cfg.gym.max_turns, **cfg.gym.options}
+    if cfg.gym.transport == "http" and run_dir is not None:
+        options["tool_client"] = tool_client(cfg, run_dir)
+    return make_env_factory(cfg.gym.name, options)
+
+
+def run_tag(run_dir: str | Path) -> str:
+    """A short run-unique tag for episode ids: the directory name and a digest of its absolute path."""
+    p = Path(run_dir).resolve()
+    return f"{p.name}-{hashlib.sha256(str(p).encode()).hexdigest()[:8]}"
+
+
+_POOLS: dict[tuple[str, str], object] = {}
+_SERVERS: dict[tuple[str, str], object] = {}
+_CLIENTS: dict[tuple[str, str], object] = {}
+
+
+def episode_pool(cfg: RunConfig, run_dir: str | Path):
+    """This process's live environments of the run (see ``gym.episodes.EnvPool``)."""
+    from gym.episodes import EnvPool
+
+    key = (str(Path(run_dir).resolve()), config_hash(cfg, "gym"))
+    if key not in _POOLS:
+        _POOLS[key] = EnvPool(env_factory(cfg, run_dir))
+    return _POOLS[key]
+
+
+def tool_server_factory_path(name: str) -> str:
+    """The import path the tool server builds the gym's tools from (``gym.<module>:<Class>`` for built-ins)."""
+    from gym.registry import BUILTIN_GYMS
+
+    if name in BUILTIN_GYMS:
+        factory = BUILTIN_GYMS[name]
+        return f"{factory.__module__}:{factory.__qualname__}"
+    return name
+
+
+def tool_client(cfg: RunConfig, run_dir: str | Path):
+    """The run's HTTP tool client; starts the run's tool server on 127.0.0.1 unless ``tool_server.url`` is set."""
+    import atexit
+
+    from gym.server import FaultConfig, start_tool_server
+    from gym.transport import HttpToolClient
+
+    ts = cfg.gym.tool_server
+    key = (str(Path(run_dir).resolve()), config_hash(cfg, "gym"))
+    if key in _CLIENTS:
+        return _CLIENTS[key]
+    logs = Path(run_dir) / "tool-server"
+    logs.mkdir(parents=True, exist_ok=True)
+    url = ts.url
+    if url is None:
+        faults = None
+        if ts.faults.rate > 0:
+            # an injected "timeout" must outlast the client's per-attempt timeout to be one
+            faults = FaultConfig(rate=ts.faults.rate, kinds=tuple(ts.faults.kinds), seed=ts.faults.seed,
+                                 timeout_s=ts.timeout_s + 1.0)
+        server = start_tool_server(tool_server_factory_path(cfg.gym.name),
+                                   {"max_turns": cfg.gym.max_turns, **cfg.gym.options}, faults=faults,
+                                   fault_log=logs / "faults.jsonl", log_path=logs / "server.log")
+        atexit.register(server.stop)
+        _SERVERS[key] = server
+        url = server.url
+    client = HttpToolClient(url, timeout_s=ts.timeout_s, max_attempts=ts.max_attempts,
+                            backoff_base_s=ts.backoff_base_s, backoff_max_s=ts.backoff_max_s,
+                            seed=seed_for(cfg.seed, "tool-client"), journal_path=logs / "client-faults.jsonl")
+    _CLIENTS[key] = client
+    return client
+
+
+def reward_functions(cfg: RunConfig) -> list[tuple[str, object]]:
+    """The configured TRL-style reward functions, imported (a bad path fails with what to fix)."""
+    import importlib
+
+    funcs = []
+    for path in cfg.gym.reward_funcs:
+        module_name, _, attr = path.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"gym.reward_funcs: cannot import {path!r} ({exc}); "
+                             "give `package.module:function` importable from the run's working directory") from exc
+        if not callable(fn):
+            raise ValueError(f"gym.reward_funcs: {path!r} is {type(fn).__name__}, not a function")
+        funcs.append((path, fn))
+    return funcs

@@ -7,22 +7,23 @@ prefix ⊕ thoughts ⊕ answer-open and returns its processed log-probs. Output:
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 
 from artifacts import RunDir, read_table, write_table
 from engine.chat import first_prompt
-from stages.context import env_factory, generator, run_config, seed_for, timer
+from stages.context import env_factory, generator, run_config, run_tag, seed_for, timer
 
 
 def sample_tasks(run_dir: str, step: int, base_in: str, split: str = "train", n_groups: int | None = None,
-                 out_path: str | None = None) -> dict:
+                 out_path: str | None = None, scope: str | None = None) -> dict:
     """Tasks of one fresh step: `groups_per_step` tasks, each repeated `num_generations` times (a GRPO group).
 
-    Writes the initial row state (tasks.arrow): row, group, task json, prefix ids, done flags, history.
+    Writes the initial row state (tasks.arrow, columns of ``stages.gym.write_state``): row, group, a run-unique
+    episode id (``<run tag>:<scope>:<row>``, scope ``s<step>`` by default), task json, prefix ids, done flags...
     """
     from engine.runtime import tokenizer
+    from stages.gym import initial_row, write_state
 
     cfg = run_config(run_dir)
     rd = RunDir(run_dir)
@@ -37,15 +38,9 @@ def sample_tasks(run_dir: str, step: int, base_in: str, split: str = "train", n_
         rows = [(g, t) for g, t in enumerate(tasks) for _ in range(G)]
         prefixes = [np.asarray(tok(first_prompt(env.reset(t)))["input_ids"], dtype=np.int32) for _, t in rows]
         path = out_path or str(rd.ensure(step).step_dir(step) / "tasks.arrow")
-        write_table(path, {
-            "row": np.arange(len(rows), dtype=np.int32),
-            "group": np.asarray([g for g, _ in rows], dtype=np.int32),
-            "task": [json.dumps(t.to_dict()) for _, t in rows],
-            "prefix_ids": prefixes,
-            "done": np.zeros(len(rows), dtype=bool),
-            "reward": np.zeros(len(rows), dtype=np.float32),
-            "history": [json.dumps([]) for _ in rows],
-        }, metadata={"step": str(step), "split": split})
+        scope = scope or f"s{step}"
+        write_state(path, [initial_row(i, g, f"{run_tag(run_dir)}:{scope}:{i}", t, prefixes[i])
+                           for i, (g, t) in enumerate(rows)], metadata={"step": str(step), "split": split})
         out.update(path=path, rows=len(rows), groups=n_groups)
     return out
 
@@ -67,6 +62,9 @@ def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in:
         active = [i for i in range(state.num_rows) if not done[i]]
         prefixes_all = state.column("prefix_ids").to_pylist()
         prefixes = [prefixes_all[i] for i in active]
+        # an answer may use what is left of the episode's token budget, minus one for the <|im_end|> that closes it
+        spent = (state.column("model_tokens").to_numpy() + state.column("tool_tokens").to_numpy()).tolist()
+        limits = [max(1, cfg.gym.token_budget - int(spent[i]) - 1) for i in active]
         tok_dir = base_in  # the base checkpoint carries its tokenizer
         trainer = runtime.trainer(cfg, base_in, tok_dir)
         trainer.use_adapter(adapter_in)
@@ -81,7 +79,8 @@ def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in:
             prompts = [M.prompt_embeddings(sampler.model, p, z[i], sampler.toks) for i, p in enumerate(prefixes)]
             with torch.no_grad():
                 ids, lps = M.sample_answers(sampler.model, prompts, cfg.sampler.max_answer_tokens,
-                                            cfg.sampler.temperature, sampler.toks, generator(cfg.seed, step, turn, "sampler"))
+                                            cfg.sampler.temperature, sampler.toks, generator(cfg.seed, step, turn, "sampler"),
+                                            limits=limits)
         tok = runtime.tokenizer(tok_dir)
         texts = [tok.decode(a[:-1] if a and a[-1] == trainer.toks.eos else a, skip_special_tokens=False) for a in ids]
         d = z.shape[-1]

@@ -30,6 +30,9 @@ def _oracle_episodes(cfg, n: int, seed: int) -> list[dict]:
             if res.done:
                 break
             obs.append(res.observation)
+        close = getattr(env, "close", None)
+        if callable(close):
+            close()  # seal the episode's trace: the tool service frees it
         episodes.append({"question": q, "answers": answers, "observations": obs, "reward": res.reward})
     return episodes
 

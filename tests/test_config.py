@@ -49,8 +49,17 @@ def test_invalid_combinations_fail_at_load(overrides, message):
 
 
 def test_unknown_section_in_override():
-    with pytest.raises(ConfigError, match="unknown config section `nope`"):
+    with pytest.raises(ConfigError, match="nope: unknown key"):
         load_config("tiny", {"nope.x": 1})
+    with pytest.raises(ConfigError, match="`seed` in override `seed.x` is a value"):
+        load_config("tiny", {"seed.x": 1})
+
+
+def test_override_of_a_section_the_file_leaves_at_defaults():
+    cfg = load_config("tiny", {"gym.tool_server.faults.rate": 0.2, "gym.tool_server.timeout_s": 0.5})
+    assert cfg.gym.tool_server.faults.rate == 0.2 and cfg.gym.tool_server.timeout_s == 0.5
+    with pytest.raises(ConfigError, match="gym.tool_server.nope: unknown key"):
+        load_config("tiny", {"gym.tool_server.nope": 1})
 
 
 def test_missing_preset_lists_presets():

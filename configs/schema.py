@@ -197,6 +197,14 @@ class GatesConfig(_Strict):
     parity_token_max: float = 1.0
     parity_min_prob: float = 0.01
     require_nonzero_grad: bool = True
+    probe_every: int = Field(10, ge=1, description="teacher-forced probe every N steps (and after the last step)")
+    probe_prompts: int = Field(8, ge=1, description="fixed held-out turns both engines score teacher-forced")
+    probe_gap_max: float = Field(1.0, gt=0, description="max trainer-vs-sampler gap on a probe token (nat)")
+    probe_layers_bitwise: bool = Field(
+        True, description="with the hf sampler (same arithmetic as the trainer) every adapter layer's output must "
+                          "match the trainer's bit for bit on the probe")
+    verify_checkpoint: bool = Field(True, description="at the end of a run, reload the final adapter from disk "
+                                                      "and re-score the probe: log-probs must be identical")
 
 
 class RunConfig(_Strict):

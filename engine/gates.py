@@ -26,7 +26,7 @@ def rollout_parity(trainer_lp: list[list[float]], sampler_lp: list[list[float]],
     The report also carries the peers' mismatch metrics: k3 KL (sampler -> trainer), importance ratio
     min/mean/max (exp(trainer - sampler)) and the share of masked tokens.
     """
-    gaps, masked, keep = [], [], []
+    gaps, masked, keep, considered_tokens = [], [], [], []
     k3, ratios = [], []
     n_all = 0
     for i, (tl, sl) in enumerate(zip(trainer_lp, sampler_lp)):
@@ -43,6 +43,7 @@ def rollout_parity(trainer_lp: list[list[float]], sampler_lp: list[list[float]],
             ok = True
             if considered:
                 gaps.append(gap)
+                considered_tokens.append((gap, i, j, t, s))
                 if gap > token_max:
                     ok = False
                     masked.append({"turn": i, "token": j, "trainer": t, "sampler": s, "gap": gap})
@@ -60,6 +61,8 @@ def rollout_parity(trainer_lp: list[list[float]], sampler_lp: list[list[float]],
         "is_ratio_mean": sum(ratios) / len(ratios) if ratios else 1.0,
         "is_ratio_max": max(ratios) if ratios else 1.0,
         "limits": {"mean_max": mean_max, "token_max": token_max, "min_prob": min_prob},
+        "worst_tokens": [{"turn": i, "token": j, "trainer": t, "sampler": s, "gap": g}
+                         for g, i, j, t, s in sorted(considered_tokens, key=lambda x: (-x[0], x[1], x[2]))[:8]],
     }
     report["passed"] = report["mean_gap"] <= mean_max
     return report, keep

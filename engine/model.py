@@ -241,17 +241,12 @@ def sample_answers(model, prompts: list[torch.Tensor], max_new: int, temperature
 # replay scoring (with gradients when enabled)
 
 
-def score_turns(model, prefixes: list[list[int]], thoughts: list[torch.Tensor], answers: list[list[int]],
-                temperature: float, sigma: float, scale: float, toks: Tokens
-                ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Re-score turns: input = embed(prefix ⊕ <think>) ⊕ z_1..z_K ⊕ embed(</think> ⊕ a_1..a_{L-1}).
-
-    Returns per-turn answer-token log-probs [(L_i,)] (post-temperature, fp32) and thought log-densities (B, K)
-    under the current weights; saved thoughts are inputs, so gradients reach the adapter through mu_k(theta).
-    """
-    text, head, emb = _parts(model)
-    B = len(prefixes)
-    K = thoughts[0].shape[0] if B else 0
+def turn_hidden(model, prefixes: list[list[int]], thoughts: list[torch.Tensor], answers: list[list[int]],
+                toks: Tokens) -> torch.Tensor:
+    """Last hidden states (B, S, d) of the left-padded teacher-forced turn inputs
+    embed(prefix ⊕ <think>) ⊕ z_1..z_K ⊕ embed(</think> ⊕ a_1..a_{L-1}) (one full forward, no cache)."""
+    text, _, emb = _parts(model)
+    K = thoughts[0].shape[0] if thoughts else 0
     seqs = []
     for p, z, a in zip(prefixes, thoughts, answers):
         if z.shape[0] != K:
@@ -261,7 +256,21 @@ def score_turns(model, prefixes: list[list[int]], thoughts: list[torch.Tensor], 
         e_head, e_tail = emb(head_ids), emb(tail_ids)
         seqs.append(torch.cat([e_head, z.to(e_head.dtype), e_tail], 0))
     x, mask, pos = left_pad(seqs)
-    hid = text(inputs_embeds=x, attention_mask=mask, position_ids=pos).last_hidden_state  # (B, S, d)
+    return text(inputs_embeds=x, attention_mask=mask, position_ids=pos).last_hidden_state
+
+
+def score_turns(model, prefixes: list[list[int]], thoughts: list[torch.Tensor], answers: list[list[int]],
+                temperature: float, sigma: float, scale: float, toks: Tokens
+                ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Re-score turns: input = embed(prefix ⊕ <think>) ⊕ z_1..z_K ⊕ embed(</think> ⊕ a_1..a_{L-1}).
+
+    Returns per-turn answer-token log-probs [(L_i,)] (post-temperature, fp32) and thought log-densities (B, K)
+    under the current weights; saved thoughts are inputs, so gradients reach the adapter through mu_k(theta).
+    """
+    _, head, _ = _parts(model)
+    B = len(prefixes)
+    K = thoughts[0].shape[0] if B else 0
+    hid = turn_hidden(model, prefixes, thoughts, answers, toks)  # (B, S, d)
     S = hid.shape[1]
     # thoughts: mu_1 from the <think> position, mu_k from z_{k-1}'s position
     logq = []

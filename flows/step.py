@@ -18,8 +18,13 @@ from artifacts import RunDir, append_jsonl, read_json, write_json
 from flows import tasks as T
 from stages.context import run_config
 
-STAGES = ["export", "sample-tasks", "generate-turn", "run-gym", "collect-rollouts", "replay", "optimize"]
-Stage = Literal["export", "sample-tasks", "generate-turn", "run-gym", "collect-rollouts", "replay", "optimize"]
+STAGES = ["export", "sample-tasks", "generate-turn", "run-gym", "collect-rollouts", "replay", "optimize", "probe"]
+Stage = Literal["export", "sample-tasks", "generate-turn", "run-gym", "collect-rollouts", "replay", "optimize", "probe"]
+
+
+def probe_due(cfg, step: int) -> bool:
+    """The teacher-forced probe runs every `gates.probe_every` steps and after the last step."""
+    return (step + 1) % cfg.gates.probe_every == 0 or step == cfg.steps.total - 1
 
 
 def _run(task, stage: str, force_from: str | None, *args) -> dict:
@@ -92,6 +97,9 @@ def grpo_step(run_dir: str, step: int, force_from: Stage | None = None) -> dict:
     op = _run(T.optimize, "optimize", force_from,
               run_dir, step, rollouts, rp["path"], old_replay, inp["adapter"], inp["optimizer"], base)
     summaries.append(op)
+    if probe_due(cfg, step):
+        summaries.append(_run(T.probe, "probe", force_from, run_dir, step, str(RunDir(Path(run_dir)).adapter(step)),
+                              ex["path"], base))
     return publish(run_dir, step, inp["kind"], summaries)
 
 
@@ -131,6 +139,8 @@ def publish(run_dir: str, step: int, kind: str, summaries: list[dict]) -> dict:
     if "replay" in by and "parity_mean" in by["replay"]:
         metrics.update(parity_mean=by["replay"]["parity_mean"], parity_max=by["replay"]["parity_max"],
                        parity_masked=by["replay"]["masked"])
+    if "probe" in by:
+        metrics.update(probe_max_gap=by["probe"]["max_gap"], probe_argmax_agreement=by["probe"]["argmax_agreement"])
     o = by["optimize"]
     metrics.update(loss=o["loss"], grad_norm=o["grad_norm"], signal=o["signal"], live_graph=o.get("live_graph"))
     write_json(rd.timings(step), ph)

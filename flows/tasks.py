@@ -142,11 +142,69 @@ def collect_rollouts(run_dir: str, step: int, turn_in: list[str], gym_in: list[s
     return fn(run_dir, step, turn_in, gym_in)
 
 
+def report_gate_failure(run_dir: str, step: int, exc: GateFailed, adapter_in: str, base_in: str,
+                        rollouts_in: str | None = None) -> None:
+    """Attach the failed gate's report as a Prefect artifact, run the diagnostic and attach its verdict.
+
+    The gate failure is re-raised by the caller whatever happens here; a diagnostic that itself fails is logged
+    (with its error) and never replaces the gate's error."""
+    from prefect.artifacts import create_markdown_artifact
+    from prefect.logging import get_run_logger
+
+    from artifacts import dumps_json
+
+    logger = get_run_logger()
+    summary = {k: v for k, v in exc.report.items() if not isinstance(v, (list, dict))}
+    create_markdown_artifact(
+        key=f"step-{step:04d}-gate-{exc.gate}",
+        markdown=f"**gate `{exc.gate}` failed** at step {step}: {exc}\n\n| field | value |\n|---|---|\n"
+                 + "\n".join(f"| {k} | {v} |" for k, v in summary.items())
+                 + f"\n\n```json\n{dumps_json(exc.report)[:20000]}\n```",
+        description=f"Report of the failed gate {exc.gate} (step {step})")
+    try:
+        from stages.diagnose import diagnose
+
+        d = diagnose(run_dir, step, exc.gate, exc.report, adapter_in, base_in, rollouts_in)
+    except Exception as diag_exc:  # noqa: BLE001 - the gate's own error is what the task raises
+        logger.error("diagnostic for gate %s failed: %r", exc.gate, diag_exc)
+        return
+    logger.error("diagnostic for gate %s: %s (disagreeing paths: %s)", exc.gate, d["verdict"],
+                 ", ".join(d["disagreeing_paths"]) or "none")
+    create_markdown_artifact(
+        key=f"step-{step:04d}-diagnostic",
+        markdown=f"**verdict:** {d['verdict']}\n\n**disagreeing paths:** {', '.join(d['disagreeing_paths']) or 'none'}"
+                 f"\n\nfull report: `{d['path']}`",
+        description=f"Failure diagnostic of gate {exc.gate} (step {step})")
+
+
 @_stage_task("replay", 1, [2])
 def replay(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: str, fresh: bool) -> dict:
     from stages.replay import replay as fn
 
-    return fn(run_dir, step, rollouts_in, adapter_in, base_in, fresh)
+    try:
+        return fn(run_dir, step, rollouts_in, adapter_in, base_in, fresh)
+    except GateFailed as exc:
+        report_gate_failure(run_dir, step, exc, adapter_in, base_in, rollouts_in)
+        raise
+
+
+@_stage_task("probe", 1, [2])
+def probe(run_dir: str, step: int, adapter_in: str, export_in: str, base_in: str) -> dict:
+    from stages.probe import probe as fn
+
+    try:
+        return fn(run_dir, step, adapter_in, export_in, base_in)
+    except GateFailed as exc:
+        report_gate_failure(run_dir, step, exc, adapter_in, base_in)
+        raise
+
+
+@task(name="verify-checkpoint", cache_policy=ARTIFACT_CACHE, persist_result=True, retries=1, retry_delay_seconds=[2],
+      retry_condition_fn=retry_unless_gate)
+def verify_checkpoint(run_dir: str, adapter_in: str, base_in: str) -> dict:
+    from stages.probe import verify_checkpoint as fn
+
+    return fn(run_dir, adapter_in, base_in)
 
 
 @_stage_task("optimize", 1, [2])

@@ -58,10 +58,11 @@ def train(config: str = "tiny", steps: int | None = None, run_dir: str | None = 
     history = []
     for step in range(cfg.steps.total):
         history.append(grpo_step(run_dir, step))
-    after = T.evaluate(run_dir, f"step-{cfg.steps.total - 1:04d}", str(rd.adapter(cfg.steps.total - 1)),
-                       ex["path"], base["path"])
+    final = str(rd.adapter(cfg.steps.total - 1))
+    verified = T.verify_checkpoint(run_dir, final, base["path"]) if cfg.gates.verify_checkpoint else None
+    after = T.evaluate(run_dir, f"step-{cfg.steps.total - 1:04d}", final, ex["path"], base["path"])
     summary = {"run_dir": run_dir, "seed": cfg.seed, "steps": history, "eval_before": before, "eval_after": after,
-               "bootstrap": base}
+               "bootstrap": base, "verified_checkpoint": verified}
     write_json(rd.root / "summary.json", summary)
     create_table_artifact(
         key="run-reward",

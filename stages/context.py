@@ -16,7 +16,13 @@ from configs.schema import RunConfig, config_hash
 
 @lru_cache(maxsize=8)
 def _load(path: str, digest: str) -> RunConfig:
-    return RunConfig.model_validate(yaml.safe_load(Path(path).read_text()))
+    from pydantic import ValidationError
+
+    try:
+        return RunConfig.model_validate(yaml.safe_load(Path(path).read_text()))
+    except ValidationError as exc:
+        raise ValueError(f"{path} does not validate with this version of the trainer (was the run started by an "
+                         f"older one?): {exc.errors()[0]['msg']}. Start a new run directory.") from None
 
 
 def run_config(run_dir: str | Path) -> RunConfig:

@@ -10,6 +10,7 @@ Both paths run the same micro-batches in the same order, so they give the same g
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import torch
 
@@ -60,6 +61,85 @@ def _thoughts_then_answer(table, thought_col: str, answer_col: str) -> list[torc
     return [torch.cat([q, a]) for q, a in zip(thoughts, answers)]
 
 
+@dataclass
+class LossInputs:
+    """Everything the driver's loss needs, laid out as GRPO sequences (one row per rollout)."""
+
+    turns: object
+    rows: list[int]
+    K: int
+    sigma: float
+    lengths: list[int]  # per turn: K thought terms + answer tokens
+    lp_turn: list[torch.Tensor]  # stored replay values per turn (thoughts then answer)
+    old_lp: torch.Tensor
+    samp_lp: torch.Tensor
+    mask: torch.Tensor
+    adv: torch.Tensor
+    is_ratio: torch.Tensor | None
+    n_rows: int
+
+    def loss(self, cfg, lp: torch.Tensor, metrics: dict | None = None) -> torch.Tensor:
+        g = cfg.grpo
+        loss, m = grpo_loss(lp, self.old_lp, self.adv, self.mask, loss_type=g.loss_type, epsilon=g.epsilon,
+                            epsilon_high=g.epsilon_high, delta=g.delta,
+                            importance_sampling_level=g.importance_sampling_level, is_ratio=self.is_ratio,
+                            max_completion_length=g.max_completion_length)
+        if metrics is not None:
+            metrics.update(m)
+            metrics["loss"] = loss.item()
+        return loss
+
+
+def loss_inputs(cfg, rollouts_in: str, replay_in: str, old_replay_in: str) -> LossInputs:
+    """Read a stored trajectory (rollouts + replay) into the loss's sequence layout."""
+    g = cfg.grpo
+    turns, roll = load_turns(rollouts_in)
+    rep = read_table(replay_in)
+    old = rep if old_replay_in == replay_in else read_table(old_replay_in)  # fresh step: its own replay
+    n_rows = int(roll.schema.metadata[b"rows"])
+    rows = turns.rows
+    K = int(roll.schema.metadata[b"K"])
+    lp_turn = _thoughts_then_answer(rep, "trainer_logq", "trainer_logps")
+    old_turn = _thoughts_then_answer(old, "trainer_logq", "trainer_logps")
+    samp_turn = _thoughts_then_answer(roll, "thought_logq", "sampler_logps")
+    keep = [torch.tensor(k, dtype=torch.float32) for k in old.column("loss_mask").to_pylist()]
+    mask_turn = [torch.cat([torch.ones(K), k]) for k in keep]
+    _, mask = to_sequences(rows, lp_turn, n_rows)  # (B, T)
+    old_lp, _ = to_sequences(rows, old_turn, n_rows)
+    samp_lp, _ = to_sequences(rows, samp_turn, n_rows)
+    mask = mask * to_sequences(rows, mask_turn, n_rows)[0]
+    adv_by_row = {r: a for r, a in zip(rows, roll.column("advantage").to_pylist())}
+    adv = torch.tensor([adv_by_row.get(r, 0.0) for r in range(n_rows)], dtype=torch.float32)  # (B,)
+    is_ratio = None
+    if g.vllm_importance_sampling_correction:
+        is_ratio = importance_sampling_ratio(old_lp, samp_lp, mask, g.vllm_importance_sampling_mode,
+                                             g.vllm_importance_sampling_clip_max, g.vllm_importance_sampling_clip_min)
+    return LossInputs(turns=turns, rows=rows, K=K, sigma=float(roll.schema.metadata[b"sigma"]),
+                      lengths=[x.numel() for x in lp_turn], lp_turn=lp_turn, old_lp=old_lp, samp_lp=samp_lp,
+                      mask=mask, adv=adv, is_ratio=is_ratio, n_rows=n_rows)
+
+
+def driver_weights(cfg, li: LossInputs, metrics: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """w = d loss / d logp on the detached stored log-probs, split per turn into thought and answer weights."""
+    lp, _ = to_sequences(li.rows, li.lp_turn, li.n_rows)
+    w = token_weights(lp, lambda x: li.loss(cfg, x, metrics))  # (B, T)
+    w_turn = from_sequences(li.rows, li.lengths, w)
+    return [x[:li.K] * cfg.grpo.thought_loss_weight for x in w_turn], [x[li.K:] for x in w_turn]
+
+
+def accumulate_gradients(cfg, engine, li: LossInputs, w_thought, w_answer, live=None, step: int = -1) -> None:
+    """Back-propagate Σ w·logp micro-batch by micro-batch (live graph, or re-score + bitwise check) into .grad."""
+    for j, idx in enumerate(microbatches(li.turns.lengths())):
+        if live is not None:
+            _, a, q = live[j]
+        else:
+            with torch.enable_grad():
+                a, q = score_microbatch(engine, li.turns, idx, cfg.sampler.temperature, li.sigma)
+            _check_bitwise(step, idx, a, q, li.lp_turn)
+        obj = sum((w_answer[i] * a[n]).sum() + (w_thought[i] * q[n]).sum() for n, i in enumerate(idx))
+        obj.backward()
+
+
 def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_replay_in: str, adapter_in: str,
              optimizer_in: str | None, base_in: str) -> dict:
     from engine import runtime
@@ -67,48 +147,12 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
     cfg = run_config(run_dir)
     runtime.set_threads(cfg.threads)
     rd = RunDir(run_dir)
-    g = cfg.grpo
     out = {"stage": "optimize"}
     with timer(out):
-        turns, roll = load_turns(rollouts_in)
-        rep = read_table(replay_in)
-        old = rep if old_replay_in == replay_in else read_table(old_replay_in)  # fresh step: its own replay
-        n_rows = int(roll.schema.metadata[b"rows"])
-        rows = turns.rows
-        K = int(roll.schema.metadata[b"K"])
-        sigma = float(roll.schema.metadata[b"sigma"])
-        lp_turn = _thoughts_then_answer(rep, "trainer_logq", "trainer_logps")
-        old_turn = _thoughts_then_answer(old, "trainer_logq", "trainer_logps")
-        samp_turn = _thoughts_then_answer(roll, "thought_logq", "sampler_logps")
-        keep = [torch.tensor(k, dtype=torch.float32) for k in old.column("loss_mask").to_pylist()]
-        mask_turn = [torch.cat([torch.ones(K), k]) for k in keep]
-        lengths = [x.numel() for x in lp_turn]
-
-        lp, mask = to_sequences(rows, lp_turn, n_rows)  # (B, T)
-        old_lp, _ = to_sequences(rows, old_turn, n_rows)
-        samp_lp, _ = to_sequences(rows, samp_turn, n_rows)
-        mask = mask * to_sequences(rows, mask_turn, n_rows)[0]
-        adv_by_row = {r: a for r, a in zip(rows, roll.column("advantage").to_pylist())}
-        adv = torch.tensor([adv_by_row.get(r, 0.0) for r in range(n_rows)], dtype=torch.float32)  # (B,)
-        is_ratio = None
-        if g.vllm_importance_sampling_correction:
-            is_ratio = importance_sampling_ratio(old_lp, samp_lp, mask, g.vllm_importance_sampling_mode,
-                                                 g.vllm_importance_sampling_clip_max, g.vllm_importance_sampling_clip_min)
+        li = loss_inputs(cfg, rollouts_in, replay_in, old_replay_in)
         metrics: dict = {}
-
-        def loss_fn(x):
-            loss, m = grpo_loss(x, old_lp, adv, mask, loss_type=g.loss_type, epsilon=g.epsilon,
-                                epsilon_high=g.epsilon_high, delta=g.delta,
-                                importance_sampling_level=g.importance_sampling_level, is_ratio=is_ratio,
-                                max_completion_length=g.max_completion_length)
-            metrics.update(m)
-            metrics["loss"] = loss.item()
-            return loss
-
-        w = token_weights(lp, loss_fn)  # (B, T) = d loss / d logp
-        w_turn = from_sequences(rows, lengths, w)
-        w_thought = [x[:K] * g.thought_loss_weight for x in w_turn]
-        w_answer = [x[K:] for x in w_turn]
+        w_thought, w_answer = driver_weights(cfg, li, metrics)
+        adv, mask, n_rows = li.adv, li.mask, li.n_rows
 
         engine = runtime.trainer(cfg, base_in, base_in)
         engine.use_adapter(adapter_in)
@@ -119,17 +163,8 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
             p.grad = torch.zeros_like(p)
         live = engine.live.pop(live_key(rollouts_in, engine.adapter_digest), None)
         out["live_graph"] = live is not None
-        mbs = microbatches(turns.lengths())
         with timer(out, "backward_s"):
-            for j, idx in enumerate(mbs):
-                if live is not None:
-                    _, a, q = live[j]
-                else:
-                    with torch.enable_grad():
-                        a, q = score_microbatch(engine, turns, idx, cfg.sampler.temperature, sigma)
-                    _check_bitwise(step, idx, a, q, lp_turn)
-                obj = sum((w_answer[i] * a[n]).sum() + (w_thought[i] * q[n]).sum() for n, i in enumerate(idx))
-                obj.backward()
+            accumulate_gradients(cfg, engine, li, w_thought, w_answer, live, step)
         grads = [p.grad for _, p in params]
         gnorm = float(torch.linalg.vector_norm(torch.stack([x.norm() for x in grads])))
         signal = bool((adv != 0).any()) and bool(mask.any())

@@ -3,7 +3,7 @@
 Writes replay.arrow (per turn: trainer answer log-probs, thought log-densities, loss mask). On a fresh step it also
 runs the rollout parity gate (trainer vs sampler, same adapter): the report goes to parity.json and is appended
 to parity_history.jsonl; rare tokens above the per-token limit are masked out of the loss; a mean above its
-limit raises GateFailed. The autograd graph stays with the engine for `optimize` (same process).
+limit raises GateFailed. A reuse step appends the same measurement ungated (policy drift since sampling). The autograd graph stays with the engine for `optimize` (same process).
 """
 
 from __future__ import annotations
@@ -65,12 +65,21 @@ def replay(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: 
             report, keep = gates.rollout_parity(
                 trainer_lp, sampler_lp, mean_max=cfg.gates.parity_mean_max,
                 token_max=cfg.gates.parity_token_max, min_prob=cfg.gates.parity_min_prob)
-            report["step"] = step
+            report.update(step=step, kind="fresh", gated=True)
             write_json(rd.parity(step), report)
             append_jsonl(rd.parity_history(), report | {"masked": len(report["masked_tokens"])})
             gates.check_parity(report)
             out.update(parity_mean=report["mean_gap"], parity_max=report["max_gap"], masked=len(report["masked_tokens"]))
         else:
+            # a reuse step replays rollouts sampled under an older adapter: the same numbers measure how far the
+            # policy moved since (the importance ratio's job), so they are recorded but not gated
+            report, _ = gates.rollout_parity(
+                trainer_lp, sampler_lp, mean_max=cfg.gates.parity_mean_max,
+                token_max=cfg.gates.parity_token_max, min_prob=cfg.gates.parity_min_prob)
+            report.update(step=step, kind="reuse", gated=False, passed=None)
+            write_json(rd.parity(step), report)
+            append_jsonl(rd.parity_history(), report | {"masked": len(report["masked_tokens"])})
+            out.update(drift_mean=report["mean_gap"], drift_max=report["max_gap"])
             keep = [[True] * len(x) for x in trainer_lp]
         path = str(rd.replay(step))
         write_table(path, {

@@ -70,3 +70,11 @@ def test_gate_failure_fails_the_task_without_retry(prefect_harness, tmp_path, mo
 
     report = read_json(RunDir(tmp_path / "run").parity(0))
     assert report["passed"] is False and report["mean_gap"] == pytest.approx(3.0, abs=1e-3)
+    # the gate report is attached as an artifact, and the diagnostic names the guilty path: every isolated path
+    # agrees with the trainer; only the values the sampler recorded during the rollout are off
+    with get_client(sync_client=True) as client:
+        keys = {a.key for a in client.read_artifacts()}
+    assert {"step-0000-gate-rollout-parity", "step-0000-diagnostic"} <= keys, keys
+    diag = read_json(RunDir(tmp_path / "run").step_dir(0) / "diagnostic-rollout-parity.json")
+    assert diag["disagreeing_paths"] == ["sampler/rollout"], diag["disagreeing_paths"]
+    assert diag["verdict"].startswith("sampler rollout path only")

@@ -1,0 +1,96 @@
+"""Scoring primitives for the teacher-forced probe and the failure diagnostic.
+
+Every path that produces a log-prob for an answer token can be re-run in isolation here:
+
+* ``teacher_forced``: one full forward over prefix ⊕ thoughts ⊕ answer (no cache: "prefix cache cleared"),
+  alone or batched with other turns;
+* ``cached_decode``: the sampler's own way: prefill the prompt embeddings, then feed the answer token by token
+  through the incremental cache;
+* ``adapter_layer_outputs``: the output of every adapter-wrapped Linear (LoRA/DoRA) for one input, to compare two
+  engines layer by layer (bitwise where the arithmetic is the same).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine import model as M
+
+
+@torch.no_grad()
+def teacher_forced(model, prefixes: list[list[int]], thoughts: list[torch.Tensor], answers: list[list[int]],
+                   temperature: float, toks: M.Tokens) -> list[torch.Tensor]:
+    """Post-temperature log-softmax over the vocabulary at each answer position: [(L_i, V)] fp32."""
+    _, head, _ = M._parts(model)
+    hid = M.turn_hidden(model, prefixes, thoughts, answers, toks)
+    S = hid.shape[1]
+    return [torch.log_softmax(head(hid[i, S - len(a):]).float() / temperature, -1) for i, a in enumerate(answers)]
+
+
+@torch.no_grad()
+def cached_decode(model, prefix: list[int], thoughts: torch.Tensor, answer: list[int], temperature: float,
+                  toks: M.Tokens) -> torch.Tensor:
+    """The sampler's incremental path, teacher-forced: (L, V) post-temperature log-softmax, batch 1."""
+    from transformers import DynamicCache
+
+    text, head, emb = M._parts(model)
+    x = M.prompt_embeddings(model, prefix, thoughts, toks)[None]
+    n = x.shape[1]
+    cache = DynamicCache(config=text.config)
+    pos = torch.arange(n)[None]
+    h = text(inputs_embeds=x, position_ids=pos, cache=cache, use_cache=True).last_hidden_state[:, -1]
+    out = []
+    for i, tok in enumerate(answer):
+        out.append(torch.log_softmax(head(h).float() / temperature, -1)[0])
+        if i == len(answer) - 1:
+            break
+        pos = pos[:, -1:] + 1
+        h = text(inputs_embeds=emb(torch.tensor([[tok]])), position_ids=pos, cache=cache,
+                 use_cache=True).last_hidden_state[:, -1]
+    return torch.stack(out)
+
+
+def adapter_modules(model) -> dict[str, torch.nn.Module]:
+    """Adapter-wrapped Linear layers (PEFT LoRA/DoRA) by module name."""
+    out = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A") and hasattr(module, "base_layer"):
+            out[name] = module
+    return out
+
+
+@torch.no_grad()
+def adapter_layer_outputs(model, prefix: list[int], thoughts: torch.Tensor, answer: list[int],
+                          toks: M.Tokens) -> dict[str, torch.Tensor]:
+    """Every adapter layer's output for one teacher-forced turn (forward hooks; order = module order)."""
+    outputs: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, module in adapter_modules(model).items():
+        def hook(_m, _inp, out, name=name):
+            outputs[name] = out.detach().clone()
+        hooks.append(module.register_forward_hook(hook))
+    try:
+        M.turn_hidden(model, [prefix], [thoughts], [answer], toks)
+    finally:
+        for h in hooks:
+            h.remove()
+    return outputs
+
+
+def compare_layers(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict:
+    """Layer-by-layer comparison of two engines' adapter-layer outputs for the same input.
+
+    Returns the number of layers compared, how many are not bitwise equal, and the first such layer (in forward
+    order) with its max abs difference and relative size."""
+    names = [n for n in a if n in b]
+    differing = []
+    for n in names:
+        x, y = a[n], b[n]
+        if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x, y):
+            diff = (x.float() - y.float()).abs().max().item() if x.shape == y.shape else float("inf")
+            scale = x.float().abs().max().item() or 1.0
+            differing.append({"layer": n, "max_abs": diff, "relative": diff / scale,
+                              "dtypes": [str(x.dtype), str(y.dtype)]})
+    return {"layers": len(names), "missing": sorted(set(a) ^ set(b)), "differing": len(differing),
+            "first_differing": differing[0] if differing else None, "worst": sorted(
+                differing, key=lambda d: -d["relative"])[:5]}

@@ -1,0 +1,166 @@
+"""The failure diagnostic: runs only after a gate failed. It rebuilds the worst tokens exactly (prompt, sampled
+thoughts, adapter) and scores each on every path that can be isolated, then writes which path disagrees.
+
+Paths (the reference is a trainer freshly loaded from disk: base + the step's adapter through PEFT's loader):
+
+* ``trainer/gate``: the trainer's value the gate saw (replay, batched in micro-batches);
+* ``trainer/live-alone``: the live trainer engine, this turn alone;
+* ``sampler/rollout``: the sampler's value recorded during the rollout (batched, incremental cache);
+* ``sampler/live-alone``: the live sampler engine, teacher-forced alone, no cache (prefix cache cleared);
+* ``sampler/live-batched``: the live sampler engine, the worst turns batched together, no cache;
+* ``sampler/live-cached``: the live sampler engine decoding through its incremental cache, alone;
+* ``sampler/fresh-alone``: a sampler freshly loaded (export checkpoint + the step's adapter from disk), alone.
+
+Two direct checks name the cause when a path disagrees: the live sampler's adapter weights against the step's
+adapter on disk (stale or corrupted weights), and every adapter layer's output of the live sampler against the
+trainer's on the worst turn (same weights, different arithmetic: e.g. a DoRA path that rounds twice).
+Graph-vs-eager paths join the list where CUDA graphs exist. Output: <step>/diagnostic-<gate>.json.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from artifacts import RunDir, dir_digest, read_adapter_dir, read_table, to_tensor_list, write_json
+from stages.context import run_config, timer
+
+TOL = 0.02  # nat: bf16 cached-vs-full decode differs by ~4e-4 here (fp32: ~2e-7); a defect shows far above
+
+
+def _fresh(model_dir: str, adapter_dir: str, dtype: str):
+    from peft import PeftModel
+
+    from engine import model as M
+
+    m = PeftModel.from_pretrained(M.load_base(model_dir, dtype), adapter_dir)
+    m.eval()
+    return m
+
+
+def _token_lp(lsm: torch.Tensor, answer: list[int], j: int) -> float:
+    return float(lsm[j, answer[j]])
+
+
+def adapter_weight_check(engine_model, adapter_dir: str) -> dict:
+    """Bitwise comparison of an engine's live adapter tensors with the adapter directory on disk."""
+    from engine import model as M
+
+    _, disk = read_adapter_dir(adapter_dir)
+    live = M.adapter_state(engine_model)
+    differing = sorted(k for k in disk if k not in live or not torch.equal(live[k].float(), disk[k].float()))
+    return {"tensors": len(disk), "differing": len(differing), "examples": differing[:4]}
+
+
+def _verdict(paths: dict[str, float], weights: dict, layers: dict) -> tuple[list[str], str]:
+    ref = paths["trainer/fresh"]
+    bad = sorted(p for p, v in paths.items() if p != "trainer/fresh" and abs(v - ref) > TOL)
+    sampler_live = [p for p in bad if p.startswith("sampler/live") or p == "sampler/rollout"]
+    if weights["differing"]:
+        return bad, (f"sampler engine adapter weights: {weights['differing']} of {weights['tensors']} tensors differ "
+                     "from the step's adapter on disk (a stale or corrupted adapter in the live sampler; a fresh "
+                     "load of the same adapter " + ("agrees" if "sampler/fresh-alone" not in bad else "disagrees too")
+                     + ")")
+    if layers.get("first_differing"):
+        f = layers["first_differing"]
+        return bad, (f"sampler layer arithmetic: with identical adapter weights, layer {f['layer']} of the live "
+                     f"sampler differs from the trainer's (max abs {f['max_abs']:.3g}, {f['relative']:.2g} of its "
+                     f"output; {layers['differing']} of {layers['layers']} adapter layers differ)")
+    if "trainer/live-alone" in bad:
+        return bad, "trainer engine state: the live trainer differs from a fresh load of the same adapter"
+    if "trainer/gate" in bad and "trainer/live-alone" not in bad:
+        return bad, "trainer batching: the replay micro-batch value differs from the same turn scored alone"
+    if sampler_live == ["sampler/live-batched"]:
+        return bad, "sampler batching: batched teacher forcing differs from the same turn alone"
+    if "sampler/live-cached" in bad and "sampler/live-alone" not in bad:
+        return bad, "sampler incremental cache: decoding through the cache differs from a full forward"
+    if bad == ["sampler/rollout"]:
+        return bad, ("sampler rollout path only: every isolated path agrees with the trainer, the recorded rollout "
+                     "value does not (state carried between requests, e.g. a reused prefix cache)")
+    if not bad:
+        return bad, "no isolated path disagrees beyond tolerance"
+    return bad, "paths disagree: " + ", ".join(bad)
+
+
+def _analyse(cfg, trainer, sampler, fresh_t, fresh_s, cases: list[dict], gate_values: list[tuple[float, float]]):
+    from engine import diagnose as D
+
+    T = cfg.sampler.temperature
+    prefixes = [c["prefix"] for c in cases]
+    thoughts = [c["thoughts"] for c in cases]
+    answers = [c["answer"] for c in cases]
+    batched = D.teacher_forced(sampler.model, prefixes, thoughts, answers, T, sampler.toks)
+    tokens = []
+    for i, c in enumerate(cases):
+        p, z, a, j = c["prefix"], c["thoughts"], c["answer"], c["token"]
+        paths = {
+            "trainer/fresh": _token_lp(D.teacher_forced(fresh_t, [p], [z], [a], T, trainer.toks)[0], a, j),
+            "trainer/gate": gate_values[i][0],
+            "trainer/live-alone": _token_lp(D.teacher_forced(trainer.model, [p], [z], [a], T, trainer.toks)[0], a, j),
+            "sampler/rollout": gate_values[i][1],
+            "sampler/live-alone": _token_lp(D.teacher_forced(sampler.model, [p], [z], [a], T, sampler.toks)[0], a, j),
+            "sampler/live-batched": _token_lp(batched[i], a, j),
+            "sampler/live-cached": _token_lp(D.cached_decode(sampler.model, p, z, a, T, sampler.toks), a, j),
+            "sampler/fresh-alone": _token_lp(D.teacher_forced(fresh_s, [p], [z], [a], T, sampler.toks)[0], a, j),
+        }
+        tokens.append({**c["where"], "token_id": a[j], "paths": paths})
+    w = cases[0]
+    layers = D.compare_layers(D.adapter_layer_outputs(trainer.model, w["prefix"], w["thoughts"], w["answer"], trainer.toks),
+                              D.adapter_layer_outputs(sampler.model, w["prefix"], w["thoughts"], w["answer"], sampler.toks))
+    return tokens, layers
+
+
+def diagnose(run_dir: str, step: int, gate: str, report: dict, adapter_in: str, base_in: str,
+             rollouts_in: str | None = None) -> dict:
+    """Rebuild the worst tokens of a failed gate (rollout-parity: from rollouts_in; teacher-forced-probe: the probe
+    set) on every isolated path; write <step>/diagnostic-<gate>.json and return it."""
+    from engine import runtime
+    from stages.export import export_base
+    from stages.probe import probe_inputs
+
+    cfg = run_config(run_dir)
+    out = {"stage": "diagnose", "gate": gate, "step": step}
+    with timer(out):
+        export = export_base(run_dir, base_in)["path"]
+        trainer = runtime.trainer(cfg, base_in, base_in)
+        trainer.use_adapter(adapter_in)
+        sampler = runtime.sampler(cfg, export, base_in)  # as it is: the diagnostic must not repair it
+        cases, gate_values = [], []
+        if gate == "rollout-parity":
+            t = read_table(rollouts_in)
+            prefixes, answers = t.column("prefix_ids").to_pylist(), t.column("answer_ids").to_pylist()
+            thoughts = to_tensor_list(t, "thoughts", torch.float32)
+            for w in report.get("worst_tokens", [])[:4]:
+                i = w["turn"]
+                cases.append({"prefix": prefixes[i], "thoughts": thoughts[i], "answer": answers[i], "token": w["token"],
+                              "where": {"turn": i, "token": w["token"]}})
+                gate_values.append((w["trainer"], w["sampler"]))
+        elif gate == "teacher-forced-probe":
+            prefixes, thoughts, answers = probe_inputs(cfg, trainer, base_in)
+            w = report["worst"]
+            cases.append({"prefix": prefixes[w["prompt"]], "thoughts": thoughts[w["prompt"]],
+                          "answer": answers[w["prompt"]], "token": w["token"],
+                          "where": {"prompt": w["prompt"], "token": w["token"]}})
+            gate_values.append((w["trainer"], w["sampler"]))
+        else:
+            raise ValueError(f"no diagnostic for gate {gate!r}")
+        if not cases:
+            raise ValueError(f"gate {gate} report names no tokens to rebuild")
+        fresh_t = _fresh(base_in, adapter_in, cfg.model.dtype)
+        fresh_s = _fresh(export, adapter_in, cfg.model.dtype)
+        tokens, layers = _analyse(cfg, trainer, sampler, fresh_t, fresh_s, cases, gate_values)
+        weights = adapter_weight_check(sampler.model, adapter_in)
+        weights.update(engine_digest=sampler.adapter_digest, step_digest=dir_digest(adapter_in))
+        guilty: set[str] = set()
+        verdicts = []
+        for tk in tokens:
+            bad, verdict = _verdict(tk["paths"], weights, layers)
+            tk["disagree"] = bad
+            guilty.update(bad)
+            verdicts.append(verdict)
+        result = {"gate": gate, "step": step, "tolerance": TOL, "reference": "trainer/fresh",
+                  "verdict": max(set(verdicts), key=verdicts.count), "disagreeing_paths": sorted(guilty),
+                  "adapter_weights": weights, "layers": layers, "tokens": tokens}
+        path = RunDir(run_dir).step_dir(step) / f"diagnostic-{gate}.json"
+        write_json(path, result)
+        out.update(path=str(path), verdict=result["verdict"], disagreeing_paths=result["disagreeing_paths"])
+    return out

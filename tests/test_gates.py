@@ -1,0 +1,178 @@
+"""Gates with injected defects: the gate fails and the diagnostic names the guilty path.
+
+Defects: a sampler whose adapter is stale by one update (its reload is skipped), and a sampler DoRA path that
+rounds twice (base + LoRA rounded to bf16, then times the magnitude rounded again) instead of combining in FP32
+and rounding once. Also: the teacher-forced probe and the verified checkpoint pass on a healthy run, same-seed
+thoughts are bitwise identical, and every step appends its parity report.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from engine.gates import GateFailed
+from tests.conftest import make_run
+
+pytestmark = pytest.mark.slow
+
+
+def _fresh_step(run_dir: str, step: int, adapter: str) -> dict:
+    """One fresh step through the stages (no Prefect): generation, gym, rollouts, replay, optimize."""
+    from artifacts import read_json
+    from stages.context import run_config
+    from stages.export import export_base
+    from stages.generate import generate_turn, sample_tasks
+    from stages.gym import collect_rollouts, run_gym
+    from stages.optimize import optimize
+    from stages.replay import replay
+
+    cfg = run_config(run_dir)
+    base = read_json(f"{run_dir}/prepared.json")["base"]
+    export = export_base(run_dir, base)["path"]
+    state = sample_tasks(run_dir, step, base)["path"]
+    turns, gyms = [], []
+    for turn in range(cfg.gym.max_turns):
+        tr = generate_turn(run_dir, step, turn, state, adapter, export, base)
+        gr = run_gym(run_dir, step, turn, state, tr["path"], base)
+        turns.append(tr["path"])
+        gyms.append(gr["path"])
+        state = gr["path"]
+        if gr["all_done"]:
+            break
+    ro = collect_rollouts(run_dir, step, turns, gyms)
+    rp = replay(run_dir, step, ro["path"], adapter, base, True)
+    prev_opt = None if step == 0 else f"{run_dir}/step-{step - 1:04d}/optimizer.safetensors"
+    op = optimize(run_dir, step, ro["path"], rp["path"], rp["path"], adapter, prev_opt, base)
+    return {"rollouts": ro["path"], "export": export, "base": base, "replay": rp, "optimize": op}
+
+
+def test_stale_sampler_adapter_fails_rollout_parity_and_the_diagnostic_names_it(tmp_path, monkeypatch):
+    from engine import runtime
+    from stages.diagnose import diagnose
+
+    runtime.clear()
+    # a learning rate that moves the policy in one update, so one update of staleness is a real difference
+    run_dir = make_run(tmp_path / "run", **{"optimizer.lr": 0.05, "grpo.groups_per_step": 4,
+                                             "steps.pattern": ["fresh"]})
+    first = _fresh_step(run_dir, 0, f"{run_dir}/adapter-init")
+    assert first["optimize"]["grad_norm"] > 0
+    real = runtime.Engine.use_adapter
+
+    def skip_sampler_reload(self, adapter_dir):  # the injected defect: the sampler keeps its old adapter
+        if self is runtime.sampler(runtime_cfg, first["export"], first["base"]) and self.adapter_digest:
+            return
+        real(self, adapter_dir)
+
+    from stages.context import run_config
+
+    runtime_cfg = run_config(run_dir)
+    monkeypatch.setattr(runtime.Engine, "use_adapter", skip_sampler_reload)
+    adapter1 = f"{run_dir}/step-0000/adapter"
+    with pytest.raises(GateFailed) as err:
+        _fresh_step(run_dir, 1, adapter1)
+    assert err.value.gate == "rollout-parity"
+    report = err.value.report
+    assert report["mean_gap"] > 0.1 and report["worst_tokens"]
+    d = diagnose(run_dir, 1, "rollout-parity", report, adapter1, first["base"], f"{run_dir}/step-0001/rollouts.arrow")
+    assert d["verdict"].startswith("sampler engine adapter weights"), d["verdict"]
+    assert "sampler/rollout" in d["disagreeing_paths"] and "sampler/live-alone" in d["disagreeing_paths"]
+    assert "sampler/fresh-alone" not in d["disagreeing_paths"], "a fresh load of the right adapter agrees"
+    assert not any(p.startswith("trainer/") for p in d["disagreeing_paths"])
+    from artifacts import read_json
+
+    saved = read_json(d["path"])
+    assert saved["adapter_weights"]["differing"] > 0
+    assert saved["adapter_weights"]["engine_digest"] != saved["adapter_weights"]["step_digest"]
+
+
+def _round_twice(self, x, *args, **kwargs):
+    """The seed's vLLM DoRA bug: base output + LoRA term rounded to the compute dtype, then times the magnitude
+    and rounded again (PEFT and this trainer combine in FP32 and round once)."""
+    a = self.active_adapters[0]
+    base = self.base_layer(x)
+    lora = self.lora_B[a](self.lora_A[a](x.to(self.lora_A[a].weight.dtype))) * self.scaling[a]
+    summed = (base.float() + lora.float()).to(base.dtype)  # rounding 1
+    weight = self.base_layer.weight.float() + self.scaling[a] * (self.lora_B[a].weight @ self.lora_A[a].weight).float()
+    scale = self.lora_magnitude_vector[a].weight.float() / torch.linalg.norm(weight, dim=1)
+    return (summed.float() * scale).to(base.dtype)  # rounding 2
+
+
+def trained_like_adapter(run_dir: str, out_dir) -> str:
+    """The initial adapter with non-zero LoRA B (as after training), so the adapter changes the outputs."""
+    from artifacts import read_adapter_dir, write_adapter_dir
+
+    config, tensors = read_adapter_dir(f"{run_dir}/adapter-init")
+    gen = torch.Generator().manual_seed(0)
+    for k, v in tensors.items():
+        if "lora_B" in k:
+            tensors[k] = torch.randn(v.shape, generator=gen) * 0.02
+    write_adapter_dir(out_dir, config, tensors)
+    return str(out_dir)
+
+
+def test_dora_double_rounding_fails_the_probe_and_the_diagnostic_names_the_layer(tmp_path):
+    from artifacts import read_json
+    from engine import runtime
+    from engine.diagnose import adapter_modules
+    from stages.context import run_config
+    from stages.diagnose import diagnose
+    from stages.export import export_base
+    from stages.probe import probe
+
+    runtime.clear()
+    run_dir = make_run(tmp_path / "run", **{"adapter.type": "dora", "model.dtype": "bfloat16"})
+    adapter = trained_like_adapter(run_dir, tmp_path / "adapter")
+    base = read_json(f"{run_dir}/prepared.json")["base"]
+    export = export_base(run_dir, base)["path"]
+    healthy = probe(run_dir, 0, adapter, export, base)  # same arithmetic: every layer bitwise, gap 0
+    assert healthy["passed"] and healthy["max_gap"] == 0.0 and healthy["argmax_agreement"] == 1.0
+    sampler = runtime.sampler(run_config(run_dir), export, base)
+    for module in adapter_modules(sampler.model).values():  # the injected defect, in the sampler only
+        module.forward = types.MethodType(_round_twice, module)
+    with pytest.raises(GateFailed) as err:
+        probe(run_dir, 1, adapter, export, base)
+    assert err.value.gate == "teacher-forced-probe"
+    first = err.value.report["layers"]["first_differing"]
+    assert first is not None and "differs from the trainer's" in str(err.value)
+    d = diagnose(run_dir, 1, "teacher-forced-probe", err.value.report, adapter, base)
+    assert d["verdict"].startswith("sampler layer arithmetic"), d["verdict"]
+    assert first["layer"] in d["verdict"]
+    saved = read_json(d["path"])
+    assert saved["adapter_weights"]["differing"] == 0, "the weights are right; the arithmetic is not"
+
+
+def test_probe_checkpoint_and_bitwise_thoughts_on_a_healthy_run(tmp_path):
+    from artifacts import read_json, read_jsonl
+    from engine import model as M
+    from engine import runtime
+    from stages.context import generator, run_config
+    from stages.probe import probe, verify_checkpoint
+
+    runtime.clear()
+    run_dir = make_run(tmp_path / "run", **{"steps.pattern": ["fresh", "reuse"]})
+    s0 = _fresh_step(run_dir, 0, f"{run_dir}/adapter-init")
+    adapter = f"{run_dir}/step-0000/adapter"
+    pr = probe(run_dir, 0, adapter, s0["export"], s0["base"])
+    assert pr["passed"] and pr["max_gap"] == 0.0
+    vc = verify_checkpoint(run_dir, adapter, s0["base"])
+    assert vc["identical"] and vc["max_abs_diff"] == 0.0
+    history = read_jsonl(f"{run_dir}/probe_history.jsonl")
+    assert history[-1]["layers"]["differing"] == 0 and history[-1]["layers"]["compared"] > 0
+    # bitwise thoughts: the same seed gives the same thought vectors bit for bit, in the same batch layout
+    cfg = run_config(run_dir)
+    eng = runtime.trainer(cfg, s0["base"], s0["base"])
+    prefixes = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    a = M.latent_loop(eng.model, prefixes, 4, 0.05 * eng.scale, eng.scale, eng.toks, generator(0, "bitwise"))
+    b = M.latent_loop(eng.model, prefixes, 4, 0.05 * eng.scale, eng.scale, eng.toks, generator(0, "bitwise"))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    # a reuse step appends its (ungated) drift report: every step leaves a parity record
+    from stages.replay import replay
+
+    replay(run_dir, 1, s0["rollouts"], adapter, s0["base"], False)
+    parity = read_jsonl(f"{run_dir}/parity_history.jsonl")
+    assert [(p["step"], p["kind"], p["gated"]) for p in parity] == [(0, "fresh", True), (1, "reuse", False)]
+    assert parity[1]["tokens"] == parity[0]["tokens"] > 0, "the reuse step measures every replayed answer token"
+    assert read_json(f"{run_dir}/step-0001/parity.json")["passed"] is None

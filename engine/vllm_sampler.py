@@ -3,28 +3,29 @@
 Per model turn the sampler gets, for every active row, the prompt embeddings embed(c_t ⊕ <think>) ⊕ z_1..z_K ⊕
 embed(</think>) and returns the answer ids and the processed (post-temperature) log-probs of the sampled tokens,
 with the semantics of :func:`engine.model.sample_answers`: a row stops after <|im_end|> (kept as its last token),
-after `max_new` tokens or after its `limits[i]` tokens.
+after `max_new` tokens or after its `limits[i]` tokens. Row i samples with its own seed (rank seed, call seed, i), so
+its tokens do not depend on the other rows or on the batch.
 
 Adapters: :meth:`VllmSampler.use_adapter` is called at the start of every rollout round with the current adapter
-directory; the engine switches by the directory's content digest, so exactly one adapter is active and a stale one
-cannot be served.
-- LoRA: a new ``LoRARequest`` id per adapter digest (the previous one is removed from the engine); every request of a
-  batch carries the same request, so base-model and LoRA requests are never mixed in one batch (on CPU that mix gives
-  wrong tokens, an upstream bug).
-- DoRA: vLLM rejects DoRA adapters (and a merged BF16 weight would round the adapter's ~1e-4 contribution away).
-  The sampler instead adds the adapter to vLLM's own linear layers with PEFT's arithmetic: vLLM computes the BF16 base
-  output, a forward hook computes the LoRA term in FP32 from the FP32 masters and combines base output, LoRA term and
-  magnitude in FP32, rounding once — the trainer's formula, for single and packed layers alike (``DenseAdapter``).
-  ``adapter_path="dense"`` uses the same path for plain LoRA.
+directory; the engine switches by the directory's content digest, so exactly one adapter is active and new content
+always reloads.
+- LoRA (``adapter_path="request"``, the default): a new ``LoRARequest`` id per adapter digest, the previous one
+  removed from the engine; all requests of a call carry the same request, so base-model and LoRA requests are never
+  mixed in one batch (on CPU that mix gives wrong tokens, an upstream bug).
+- DoRA (always) and LoRA with ``adapter_path="dense"``: vLLM rejects DoRA adapters, and a merged BF16 weight would
+  round the adapter's ~1e-4 relative contribution away (the seeds' "rounded twice" bug in another form). The sampler
+  adds the adapter to vLLM's own linear layers with PEFT's arithmetic instead: vLLM computes the BF16 base output, a
+  forward hook computes the LoRA term in FP32 from the FP32 masters and combines base output, LoRA term and magnitude
+  in FP32, rounding once — the trainer's formula, for single and packed layers alike (:class:`DenseAdapter`).
 
-Engine settings (seed-learned, see ``engine_kwargs``): no torch.compile (compilation mode 0) with CUDA graphs for
-decode only (FULL_DECODE_ONLY) on GPU, a pinned attention backend, MTP speculation available but off by default, and
-MTP together with prefix caching on a hybrid model rejected before any model loads.
+Engine settings (seed-learned, :func:`engine_kwargs`): on GPU no torch.compile (compilation mode 0) with CUDA graphs
+for decode only (FULL_DECODE_ONLY) and FlashAttention pinned; MTP speculation available but off by default; MTP
+together with prefix caching on a hybrid model rejected before any model loads (:func:`check_mtp_prefix_caching`).
 
-Process environment: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (in-process engine core: ~3 s start instead of ~40 s), the
-vLLM cache root inside the run directory, no usage stats, and on CPU no OpenMP thread binding. vLLM's CPU worker
-replaces ``torch.set_num_threads`` by a no-op, sets torch to 1 thread and reseeds the global RNGs; the sampler
-restores all three after the engine starts, because the trainer shares this process.
+Process environment (:func:`prepare_environment`, before vLLM is imported): ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+(engine core in this process), vLLM's cache root inside the run directory, no usage stats, and on CPU no OpenMP
+thread binding. vLLM's CPU worker replaces ``torch.set_num_threads`` by a no-op, drops torch to 1 thread and reseeds
+the global RNGs; the sampler restores all three after the engine starts, because the trainer shares this process.
 """
 
 from __future__ import annotations
@@ -35,15 +36,16 @@ import os
 import random
 import re
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-GPU_ATTENTION_BACKEND = "FLASH_ATTN"  # pinned: FlashInfer's JIT build needs CUDA headers (seed 000, Blackwell bring-up)
+GPU_ATTENTION_BACKEND = "FLASH_ATTN"  # pinned: vLLM picked FlashInfer, whose JIT build needed CUDA headers (seed 000)
 CPU_ATTENTION_BACKEND = "CPU_ATTN"  # the only one vLLM's CPU platform accepts
 CPU_KV_CACHE_BYTES = 256 * 2**20  # explicit: vLLM's CPU default reserves 92 % of the NUMA node and refuses to start
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank values
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM accepts for max_lora_rank
 
 
 class EngineSettingsError(ValueError):
@@ -51,7 +53,7 @@ class EngineSettingsError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# engine settings (importable without vLLM)
+# engine settings (no vLLM import)
 
 
 def model_is_hybrid(model_dir: str | Path) -> bool:
@@ -70,9 +72,9 @@ def check_mtp_prefix_caching(mtp_tokens: int, prefix_caching: bool, hybrid: bool
             "vLLM caches the recurrent GDN states at block boundaries (mamba_cache_mode 'align', experimental), and "
             "speculative decoding verifies draft tokens and rolls rejected ones back, so a later turn that reuses a "
             "cached prefix can start from a recurrent state that does not match its tokens. Only the sampling "
-            "log-probs show it (a deterministic 1-2 nat gap on single tokens, the rollout parity gate fails), and in "
-            "RL they enter the gradient. Turn one of them off: MTP (num_speculative_tokens: 0, the default) or "
-            "prefix caching (enable_prefix_caching: false).")
+            "log-probs show it (a deterministic 1-2 nat gap on single tokens; the rollout parity gate fails), and in "
+            "RL they enter the gradient. Turn one of them off: MTP (num_speculative_tokens 0, the default) or "
+            "prefix caching (enable_prefix_caching false, the default).")
 
 
 def engine_kwargs(*, model: str, tokenizer: str | None, device: str, seed: int, max_model_len: int,
@@ -82,24 +84,24 @@ def engine_kwargs(*, model: str, tokenizer: str | None, device: str, seed: int, 
                   max_num_seqs: int | None = None, hybrid: bool = True) -> dict:
     """The keyword arguments of ``vllm.LLM`` for a trainer engine.
 
-    adapter: "lora" (served through LoRARequest), "dense" (LoRA/DoRA added by ``DenseAdapter``; vLLM's LoRA off)
-    or None (base only).
+    adapter: "lora" (served through LoRARequest), "dense" (added by :class:`DenseAdapter`; vLLM's LoRA stays off)
+    or None (base only). Raises :class:`EngineSettingsError` for a combination that must not run.
     """
     if dtype != "bfloat16":
-        raise EngineSettingsError(f"the vLLM sampler runs in bfloat16 (got {dtype}): vLLM's Gated DeltaNet kernels "
+        raise EngineSettingsError(f"the vLLM sampler runs in bfloat16, got {dtype}: vLLM's Gated DeltaNet kernels "
                                   "(CPU included) need bf16")
     check_mtp_prefix_caching(mtp_tokens, prefix_caching, hybrid)
     kw: dict = dict(
         model=model, tokenizer=tokenizer or model, dtype=dtype, seed=seed, max_model_len=max_model_len,
-        enable_prompt_embeds=True,            # answers are sampled from prompt embeddings (thoughts are vectors)
+        enable_prompt_embeds=True,            # answers come from prompt embeddings (thoughts are vectors)
         logprobs_mode="processed_logprobs",   # log-probs after temperature: what the trainer's replay computes
         generation_config="vllm",             # never inherit sampling defaults (top_k, ...) from the checkpoint
-        enable_prefix_caching=bool(prefix_caching),  # explicit: vLLM's default turns it on for hybrid models
+        enable_prefix_caching=bool(prefix_caching),  # explicit: vLLM turns it on by default, hybrid models included
         attention_backend=attention_backend or (GPU_ATTENTION_BACKEND if device == "cuda" else CPU_ATTENTION_BACKEND),
     )
     if device == "cuda":
-        # no torch.compile (a compiled graph computed a different adapter contribution on the Qwen3.5 hybrid);
-        # prefill eager, decode in full CUDA graphs (bitwise equal to eager)
+        # no torch.compile: vLLM's compiled graph computed a different adapter contribution on the Qwen3.5 hybrid;
+        # prefill runs eagerly, decode in full CUDA graphs (bitwise equal to eager)
         kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
         if gpu_memory_utilization is not None:
             kw["gpu_memory_utilization"] = gpu_memory_utilization
@@ -136,15 +138,23 @@ def prepare_environment(cache_root: str | Path | None, device: str) -> None:
 
 
 def row_seed(engine_seed: int, call_seed: int, row: int) -> int:
-    """The per-request sampling seed: a row's tokens depend on (rank seed, call seed, row) only, not on the batch."""
+    """The per-request sampling seed of row `row`: a function of (rank seed, call seed, row) only."""
     h = hashlib.sha256(f"{engine_seed}:{call_seed}:{row}".encode()).digest()
     return int.from_bytes(h[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def _field(obj, name: str, default=None):
+    if obj is None:
+        return default
+    if isinstance(obj, dict):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # the dense adapter path (DoRA always; LoRA with adapter_path="dense")
 
-# PEFT module name -> (vLLM packed module, its members in packed order)
+# HF module name -> (vLLM packed module, its members in packed order)
 PACKED = {
     "q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
     "k_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
@@ -160,7 +170,7 @@ _PEFT_KEY = re.compile(r"^base_model\.model\.(?P<mod>.+)\.(?P<kind>lora_A\.weigh
 
 
 def adapter_modules(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    """PEFT state dict -> {module name (e.g. model.layers.0.linear_attn.in_proj_qkv): {A, B[, m]}} in FP32."""
+    """PEFT state dict -> {HF module name: {"A", "B"[, "m"]}} in FP32."""
     mods: dict[str, dict[str, torch.Tensor]] = {}
     for k, v in tensors.items():
         m = _PEFT_KEY.match(k)
@@ -176,7 +186,7 @@ def adapter_modules(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, tor
 
 def dora_scale(weight: torch.Tensor, A: torch.Tensor, B: torch.Tensor, magnitude: torch.Tensor,
                scaling: float) -> torch.Tensor:
-    """m / ||W + s·BA||_row, (1, out) FP32, with PEFT's arithmetic (DoraLinearLayer.get_lora_weight/get_weight_norm)."""
+    """m / ||W + s·BA||_row as (1, out) FP32, with PEFT's arithmetic (DoraLinearLayer.get_lora_weight/_weight_norm)."""
     eye = torch.eye(A.shape[1], dtype=A.dtype, device=A.device)
     lora_weight = torch.nn.functional.linear(torch.nn.functional.linear(eye, A), B).T
     w = weight.to(lora_weight.dtype) + scaling * lora_weight
@@ -188,7 +198,8 @@ def lora_combine(base: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.
                  mag_scale: torch.Tensor | None) -> torch.Tensor:
     """PEFT's LoRA/DoRA Linear forward given the base output: FP32 LoRA term, combined in FP32, rounded once.
 
-    base: the base layer's output (model dtype); x: the layer input (model dtype). Returns base.dtype.
+    base: the base layer's output (model dtype); x: the layer's input (model dtype). Same op order as PEFT 0.21
+    (lora.Linear.forward, DoraLinearVariant.forward, DoraLinearLayer.forward in eval mode).
     """
     xf = x.to(A.dtype)
     lora = torch.nn.functional.linear(torch.nn.functional.linear(xf, A), B)
@@ -200,7 +211,7 @@ def lora_combine(base: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.
 
 
 def lora_combine_rounding_twice(base, x, A, B, scaling, mag_scale):
-    """The bug of seed 001 §3, kept for the tests: base + LoRA rounded to bf16 first, magnitude applied after."""
+    """The bug of seed 001 §3, kept for the tests: base + LoRA term rounded to BF16, magnitude applied after."""
     xf = x.to(A.dtype)
     lora = torch.nn.functional.linear(torch.nn.functional.linear(xf, A), B)
     y = (base + lora * scaling).to(base.dtype)
@@ -209,109 +220,166 @@ def lora_combine_rounding_twice(base, x, A, B, scaling, mag_scale):
 
 @dataclass
 class _Slice:
-    name: str       # PEFT module name
-    start: int      # first output row in the vLLM layer
+    name: str        # HF module name, e.g. model.layers.0.linear_attn.in_proj_qkv
+    start: int       # first output row in the vLLM layer
     size: int
-    A: torch.Tensor
-    B: torch.Tensor
-    mag_scale: torch.Tensor | None
+    A: torch.Tensor  # (r, in) FP32
+    B: torch.Tensor  # (out, r) FP32
+    mag_scale: torch.Tensor | None  # (1, out) FP32 for DoRA: m / ||W + s·BA||_row
+
+
+class _Checkpoint:
+    """Lazy access to the export checkpoint's tensors by HF name (memory-mapped; nothing loads up front)."""
+
+    def __init__(self, model_dir: str | Path):
+        from safetensors import safe_open
+
+        self._open = safe_open
+        self.where: dict[str, tuple[str, str]] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for f in sorted(Path(model_dir).glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                for k in st.keys():
+                    hf = k.replace("model.language_model.", "model.")
+                    self.where[hf] = (str(f), k)
+                    self.shapes[hf] = tuple(st.get_slice(k).get_shape())
+
+    def tensor(self, name: str) -> torch.Tensor:
+        f, k = self.where[name]
+        with self._open(f, framework="pt") as st:
+            return st.get_tensor(k)
 
 
 class DenseAdapter:
-    """Adds one LoRA/DoRA adapter to a vLLM model's linear layers through forward hooks (PEFT arithmetic).
+    """One LoRA/DoRA adapter added to a vLLM model's linear layers through forward hooks, with PEFT's arithmetic.
 
-    The slices of a packed vLLM layer (qkv_proj, gate_up_proj, in_proj_qkvz, in_proj_ba) follow the packed order, with
-    sizes from the base checkpoint; where vLLM keeps the layer's weight, the slice is checked against the checkpoint.
-    Tensors are updated in place on every adapter switch (CUDA graphs replay the same buffers).
+    Installed right after the weights load (before vLLM warms up or captures CUDA graphs) with zero LoRA weights and
+    unit magnitude scales, which leave every output bit-identical to the base; :meth:`load` copies each adapter
+    version into the same buffers in place, so captured graphs replay the current adapter. Slices of a packed vLLM
+    layer (qkv_proj, gate_up_proj, in_proj_qkvz, in_proj_ba) follow the packed order with sizes from the checkpoint;
+    the first slice of every kind is checked against the checkpoint where vLLM keeps the weight.
     """
 
-    def __init__(self, model: torch.nn.Module, base_weights: dict[str, torch.Tensor]):
-        self.model = model
-        self.base = base_weights  # HF name (model.layers.0.mlp.up_proj) -> weight (out, in), model dtype
-        self.modules = dict(model.named_modules())
+    def __init__(self, ckpt: _Checkpoint, targets: list[str], rank: int, scaling: float, dora: bool):
+        self.ckpt, self.rank, self.scaling, self.dora = ckpt, int(rank), float(scaling), bool(dora)
+        leafs = set(targets)
+        self.names = sorted(n[: -len(".weight")] for n, shp in ckpt.shapes.items()
+                            if n.endswith(".weight") and n.startswith("model.layers.") and len(shp) == 2
+                            and n[: -len(".weight")].rsplit(".", 1)[1] in leafs)
+        if not self.names:
+            raise ValueError(f"no Linear module of the checkpoint matches the adapter targets {sorted(leafs)}")
         self.slices: dict[str, list[_Slice]] = {}
-        self.hooks = []
+        self.hooks: list = []
+        self.modules: dict[str, torch.nn.Module] = {}
 
-    def _locate(self, name: str) -> tuple[str, int, int]:
-        """PEFT module name -> (vLLM module name, first output row, rows)."""
+    def locate(self, name: str) -> tuple[str, int, int]:
+        """HF module name -> (vLLM module name, first output row, rows)."""
         parent, leaf = name.rsplit(".", 1)
-        w = self.base[f"{name}.weight"]
-        if leaf in PACKED:
-            packed, members = PACKED[leaf]
-            start = 0
-            for mbr in members:
-                if mbr == leaf:
-                    break
-                start += self.base[f"{parent}.{mbr}.weight"].shape[0]
-            vname = f"{parent}.{packed}"
-        else:
-            vname, start = name, 0
-        if vname not in self.modules:
-            raise KeyError(f"adapter module {name}: vLLM model has no module {vname}")
-        return vname, start, w.shape[0]
+        size = self.ckpt.shapes[f"{name}.weight"][0]
+        if leaf not in PACKED:
+            return name, 0, size
+        packed, members = PACKED[leaf]
+        start = 0
+        for mbr in members:
+            if mbr == leaf:
+                break
+            start += self.ckpt.shapes[f"{parent}.{mbr}.weight"][0]
+        return f"{parent}.{packed}", start, size
 
-    def load(self, mods: dict[str, dict[str, torch.Tensor]], scaling: float, device: torch.device) -> None:
-        new: dict[str, list[_Slice]] = {}
-        for name, d in sorted(mods.items()):
-            vname, start, size = self._locate(name)
-            layer = self.modules[vname]
-            vw = getattr(layer, "weight", None)
-            if vw is not None and vw.dim() == 2 and vw.shape[0] >= start + size and vw.numel():
-                if not torch.equal(vw[start:start + size].cpu(), self.base[f"{name}.weight"].to(vw.dtype)):
-                    raise RuntimeError(f"{vname}[{start}:{start + size}] differs from the checkpoint's {name}: "
-                                       "vLLM's packed layout is not the one assumed here")
-            A, B = d["A"].to(device), d["B"].to(device)
-            ms = None
-            if "m" in d:
-                ms = dora_scale(self.base[f"{name}.weight"].to(device), A, B, d["m"].to(device), scaling)
-            new.setdefault(vname, []).append(_Slice(name, start, size, A, B, ms))
-        same_layout = {k: [(s.name, s.start, s.size, s.mag_scale is None) for s in v] for k, v in new.items()} == \
-                      {k: [(s.name, s.start, s.size, s.mag_scale is None) for s in v] for k, v in self.slices.items()}
-        if same_layout:  # in place, so that captured CUDA graphs see the new values
-            for k, v in new.items():
-                for old, s in zip(self.slices[k], v):
-                    old.A.copy_(s.A)
-                    old.B.copy_(s.B)
-                    if s.mag_scale is not None:
-                        old.mag_scale.copy_(s.mag_scale)
-        else:
-            self.remove()
-            self.slices = new
-            for vname in new:
-                self.hooks.append(self.modules[vname].register_forward_hook(self._hook(vname)))
-        self.scaling = scaling
+    def install(self, model: torch.nn.Module) -> None:
+        self.modules = dict(model.named_modules())
+        device = next(model.parameters()).device
+        checked = set()
+        for name in self.names:
+            vname, start, size = self.locate(name)
+            if vname not in self.modules:
+                raise KeyError(f"adapter module {name}: the vLLM model has no module {vname}")
+            vw = getattr(self.modules[vname], "weight", None)
+            kind = (vname.rsplit(".", 1)[1], start)
+            if kind not in checked and vw is not None and vw.dim() == 2 and vw.numel():
+                if not torch.equal(vw[start:start + size].cpu(), self.ckpt.tensor(f"{name}.weight").to(vw.dtype)):
+                    raise RuntimeError(f"{vname}[{start}:{start + size}] differs from the checkpoint's {name}: vLLM's "
+                                       "packed layout is not the one assumed here")
+                checked.add(kind)
+            in_f = self.ckpt.shapes[f"{name}.weight"][1]
+            A = torch.zeros(self.rank, in_f, dtype=torch.float32, device=device)
+            B = torch.zeros(size, self.rank, dtype=torch.float32, device=device)
+            ms = torch.ones(1, size, dtype=torch.float32, device=device) if self.dora else None
+            self.slices.setdefault(vname, []).append(_Slice(name, start, size, A, B, ms))
+        for vname in self.slices:
+            self.hooks.append(self.modules[vname].register_forward_hook(self._hook(self.slices[vname])))
 
-    def _hook(self, vname: str):
+    def _hook(self, slices: list[_Slice]):
         def hook(module, args, output):
             x = args[0]
             out = output[0] if isinstance(output, tuple) else output
-            for s in self.slices[vname]:
+            for s in slices:
                 base = out[..., s.start:s.start + s.size]
                 out[..., s.start:s.start + s.size] = lora_combine(base, x, s.A, s.B, self.scaling, s.mag_scale)
             return output
         return hook
 
+    def base_weight(self, vname: str, s: _Slice) -> torch.Tensor:
+        vw = getattr(self.modules[vname], "weight", None)
+        if vw is not None and vw.dim() == 2 and vw.numel():
+            return vw[s.start:s.start + s.size]
+        return self.ckpt.tensor(f"{s.name}.weight").to(s.A.device)  # vLLM repacked it (oneDNN): read the checkpoint
+
+    def load(self, mods: dict[str, dict[str, torch.Tensor]] | None) -> None:
+        """Copy an adapter (:func:`adapter_modules` output) into the buffers; None restores the base exactly."""
+        if mods is not None:
+            extra, missing = sorted(set(mods) - set(self.names)), sorted(set(self.names) - set(mods))
+            if extra or missing:
+                raise ValueError(f"adapter modules differ from the engine's targets: extra {extra[:3]}, missing "
+                                 f"{missing[:3]} (targets are fixed when the engine starts)")
+        for vname, slices in self.slices.items():
+            for s in slices:
+                if mods is None:
+                    s.A.zero_()
+                    s.B.zero_()
+                    if s.mag_scale is not None:
+                        s.mag_scale.fill_(1.0)
+                    continue
+                d = mods[s.name]
+                if tuple(d["A"].shape) != tuple(s.A.shape) or tuple(d["B"].shape) != tuple(s.B.shape):
+                    raise ValueError(f"{s.name}: adapter shapes {tuple(d['A'].shape)}/{tuple(d['B'].shape)} differ "
+                                     f"from the engine's {tuple(s.A.shape)}/{tuple(s.B.shape)} (the rank is fixed)")
+                if self.dora != ("m" in d):
+                    raise ValueError(f"{s.name}: a {'DoRA' if self.dora else 'LoRA'} engine got a "
+                                     f"{'LoRA' if self.dora else 'DoRA'} adapter")
+                s.A.copy_(d["A"])
+                s.B.copy_(d["B"])
+                if s.mag_scale is not None:
+                    s.mag_scale.copy_(dora_scale(self.base_weight(vname, s), s.A, s.B, d["m"].to(s.A.device),
+                                                 self.scaling))
+
     def remove(self) -> None:
         for h in self.hooks:
             h.remove()
         self.hooks = []
-        self.slices = {}
 
 
-def _read_base_weights(model_dir: str | Path, names: set[str]) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
+@contextmanager
+def _after_model_load(callback):
+    """Run `callback(model)` in vLLM's worker right after the weights load, before warm-up and CUDA graph capture.
 
-    out = {}
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            for k in st.keys():
-                hf = k.replace("model.language_model.", "model.")
-                if hf in names:
-                    out[hf] = st.get_tensor(k)
-    missing = names - set(out)
-    if missing:
-        raise KeyError(f"base checkpoint {model_dir} lacks {sorted(missing)[:3]}...")
-    return out
+    For the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0 with the uniproc or external_launcher executor).
+    """
+    from vllm.v1.worker import gpu_worker  # CPUWorker inherits Worker.load_model
+
+    orig = gpu_worker.Worker.load_model
+    calls: list[bool] = []
+
+    def load_model(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        callback(self.model_runner.get_model())
+        calls.append(True)
+
+    gpu_worker.Worker.load_model = load_model
+    try:
+        yield calls
+    finally:
+        gpu_worker.Worker.load_model = orig
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -322,104 +390,120 @@ class VllmSampler:
     """An in-process vLLM engine that writes answers from prompt embeddings.
 
     export_dir: the export stage's BF16 checkpoint (values identical to the trainer's base); tok_dir: its tokenizer
-    (default: export_dir). seed: this rank's seed (each rank must pass its own). cache_root: vLLM's cache root, inside
-    the run directory. adapter_type: "lora" | "dora" | None (fixed for the engine's life); adapter_path: "request"
-    (LoRA through LoRARequest, the default) or "dense" (PEFT arithmetic through hooks; DoRA always uses it).
+    (default export_dir). adapter: the run's adapter config (``configs.schema.AdapterConfig`` or a dict with type,
+    rank, alpha, targets), fixed for the engine's life; None serves the base only. adapter_path: "request" (LoRA via
+    LoRARequest, default) or "dense" (PEFT arithmetic through hooks; DoRA always takes it). seed: this rank's seed —
+    every rank must pass its own. cache_root: vLLM's cache root, inside the run directory. threads: torch threads
+    while sampling on CPU (default 1, vLLM's own choice: multi-threaded CPU ops spin-wait); the caller's thread count
+    is restored after every call.
     """
 
-    def __init__(self, export_dir: str | Path, tok_dir: str | Path | None = None, *, seed: int = 0,
-                 max_model_len: int = 1024, max_lora_rank: int = 16, adapter_type: str | None = "lora",
-                 adapter_path: str = "request", cache_root: str | Path | None = None, device: str | None = None,
-                 dtype: str = "bfloat16", prefix_caching: bool = False, mtp_tokens: int = 0,
-                 attention_backend: str | None = None, kv_cache_bytes: int | None = None,
-                 gpu_memory_utilization: float | None = None, max_num_seqs: int | None = None):
-        if adapter_type not in ("lora", "dora", None):
-            raise ValueError(f"adapter_type must be lora, dora or None, got {adapter_type!r}")
+    def __init__(self, export_dir: str | Path, tok_dir: str | Path | None = None, *, adapter=None,
+                 adapter_path: str = "request", seed: int = 0, max_model_len: int = 1024,
+                 cache_root: str | Path | None = None, device: str | None = None, dtype: str = "bfloat16",
+                 prefix_caching: bool = False, mtp_tokens: int = 0, attention_backend: str | None = None,
+                 kv_cache_bytes: int | None = None, gpu_memory_utilization: float | None = None,
+                 max_num_seqs: int | None = None, threads: int | None = 1,
+                 distributed_executor_backend: str | None = None):
         if adapter_path not in ("request", "dense"):
             raise ValueError(f"adapter_path must be request or dense, got {adapter_path!r}")
         self.export_dir = Path(export_dir)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.seed = int(seed)
         self.max_model_len = int(max_model_len)
-        self.adapter_type = adapter_type
-        self.dense = adapter_type == "dora" or (adapter_type == "lora" and adapter_path == "dense")
+        self.threads = threads
+        self.adapter_type = _field(adapter, "type")
+        if self.adapter_type not in ("lora", "dora", None):
+            raise ValueError(f"adapter type must be lora or dora, got {self.adapter_type!r}")
+        self.dense = self.adapter_type == "dora" or (self.adapter_type == "lora" and adapter_path == "dense")
+        rank = int(_field(adapter, "rank", 16))
+        self.scaling = float(_field(adapter, "alpha", 2 * rank)) / rank
         self.hybrid = model_is_hybrid(self.export_dir)
-        mode = None if adapter_type is None else ("dense" if self.dense else "lora")
+        mode = None if self.adapter_type is None else ("dense" if self.dense else "lora")
         kwargs = engine_kwargs(
             model=str(self.export_dir), tokenizer=str(tok_dir or self.export_dir), device=self.device,
-            seed=self.seed, max_model_len=self.max_model_len, dtype=dtype, adapter=mode, max_lora_rank=max_lora_rank,
+            seed=self.seed, max_model_len=self.max_model_len, dtype=dtype, adapter=mode, max_lora_rank=rank,
             prefix_caching=prefix_caching, mtp_tokens=mtp_tokens, attention_backend=attention_backend,
             kv_cache_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
-            hybrid=self.hybrid)  # raises on a rejected combination before vLLM is imported
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            kwargs["distributed_executor_backend"] = "external_launcher"  # join this rank's group (as TRL colocate)
+            hybrid=self.hybrid)  # raises on a rejected combination before vLLM is imported or a model loads
+        if distributed_executor_backend is not None:
+            # "external_launcher": join the process group this rank already runs in (TRL's colocate mode)
+            kwargs["distributed_executor_backend"] = distributed_executor_backend
         self.engine_kwargs = kwargs
-        prepare_environment(cache_root, self.device)
         cfg = json.loads((self.export_dir / "config.json").read_text())
         cfg = cfg.get("text_config", cfg)
-        self.eos = int(cfg["eos_token_id"] if not isinstance(cfg["eos_token_id"], list) else cfg["eos_token_id"][0])
+        eos = cfg["eos_token_id"]
+        self.eos = int(eos[0] if isinstance(eos, list) else eos)
+        self._dense: DenseAdapter | None = None
+        if self.dense:
+            self._dense = DenseAdapter(_Checkpoint(self.export_dir), list(_field(adapter, "targets")), rank,
+                                       self.scaling, dora=self.adapter_type == "dora")
 
+        prepare_environment(cache_root, self.device)
         t0 = time.perf_counter()
         from vllm import LLM  # after prepare_environment
 
-        set_threads, threads = torch.set_num_threads, torch.get_num_threads()
-        rng = (torch.random.get_rng_state(), random.getstate(), _numpy_state())
+        self.import_s = time.perf_counter() - t0
+        set_threads, threads_before = torch.set_num_threads, torch.get_num_threads()
+        rng = (torch.random.get_rng_state(), random.getstate(), _numpy_rng())
+        t0 = time.perf_counter()
         try:
-            self.llm = LLM(**kwargs)
+            if self._dense is not None:
+                with _after_model_load(self._dense.install) as calls:
+                    self.llm = LLM(**kwargs)
+                if not calls:
+                    raise RuntimeError("the dense adapter was not installed: vLLM's engine is not in this process")
+            else:
+                self.llm = LLM(**kwargs)
         finally:
             # vLLM's CPU worker makes torch.set_num_threads a no-op, drops torch to 1 thread and reseeds the global
             # RNGs; the trainer shares this process
             torch.set_num_threads = set_threads
-            torch.set_num_threads(threads)
+            torch.set_num_threads(threads_before)
             torch.random.set_rng_state(rng[0])
             random.setstate(rng[1])
-            _numpy_state(rng[2])
+            _numpy_rng(rng[2])
         self.start_s = time.perf_counter() - t0
         self.adapter_digest: str | None = None
         self.lora_request = None
         self._next_lora_id = 1
-        self._dense: DenseAdapter | None = None
 
     # -- adapters ------------------------------------------------------------------------------------------------
 
     def model(self) -> torch.nn.Module:
-        """The vLLM model object (in-process engine only)."""
+        """The vLLM model object (in-process engine)."""
         return self.llm.apply_model(lambda m: m)[0]
 
     def use_adapter(self, adapter_dir: str | Path | None) -> bool:
-        """Serve `adapter_dir` (a PEFT adapter directory) from now on; None serves the base. Returns True on a switch.
+        """Serve `adapter_dir` (a PEFT adapter directory) from now on; None serves the base. True when it switched.
 
         Switches by the directory's content digest: the same content is a no-op, new content always reloads.
         """
         from artifacts import dir_digest, read_adapter_dir
 
         digest = None if adapter_dir is None else dir_digest(adapter_dir)
-        if digest == self.adapter_digest and (digest is not None or self.lora_request is None):
+        if digest == self.adapter_digest:
             return False
         if adapter_dir is None:
             self._drop_lora()
             if self._dense is not None:
-                self._dense.remove()
+                self._dense.load(None)
             self.adapter_digest = None
             return True
+        if self.adapter_type is None:
+            raise ValueError(f"{adapter_dir}: this engine was built without an adapter (adapter=None)")
         config, tensors = read_adapter_dir(adapter_dir)
         is_dora = bool(config.get("use_dora"))
-        if (is_dora and self.adapter_type != "dora") or (not is_dora and self.adapter_type != "lora"):
+        if is_dora != (self.adapter_type == "dora"):
             raise ValueError(f"{adapter_dir}: a {'DoRA' if is_dora else 'LoRA'} adapter, but this engine was built for "
-                             f"adapter_type={self.adapter_type!r}")
+                             f"{self.adapter_type}")
+        r, alpha = int(config["r"]), float(config["lora_alpha"])
+        scaling = alpha / r ** 0.5 if config.get("use_rslora") else alpha / r
         if self.dense:
-            mods = adapter_modules(tensors)
-            r, alpha = int(config["r"]), float(config["lora_alpha"])
-            scaling = alpha / (r ** 0.5) if config.get("use_rslora") else alpha / r
-            model = self.model()
-            if self._dense is None:
-                names = set()
-                for name in mods:
-                    parent, leaf = name.rsplit(".", 1)
-                    names |= {f"{parent}.{m}.weight" for m in PACKED.get(leaf, (None, (leaf,)))[1]}
-                self._dense = DenseAdapter(model, _read_base_weights(self.export_dir, names))
-            device = next(model.parameters()).device
-            self._dense.load(mods, scaling, device)
+            if scaling != self.scaling:
+                raise ValueError(f"{adapter_dir}: scaling {scaling} differs from the engine's {self.scaling} "
+                                 "(rank and alpha are fixed when the engine starts)")
+            self._dense.load(adapter_modules(tensors))
         else:
             from vllm.lora.request import LoRARequest
 
@@ -445,8 +529,8 @@ class VllmSampler:
         """Answers from prompt embeddings [(L_i, d)]: token ids and processed (post-temperature) log-probs.
 
         A row stops after <|im_end|> (kept as its last token), after `max_new` tokens, after `limits[i]` tokens, or
-        where the engine's max_model_len ends. Row i samples with seed row_seed(engine seed, seed, i), so its tokens do
-        not depend on the other rows. All rows of a call carry the same adapter request (never base + LoRA mixed).
+        where max_model_len ends. Row i samples with seed row_seed(engine seed, seed, i). All rows of a call carry the
+        same adapter request: base-model and LoRA requests are never mixed in one batch.
         """
         from vllm import SamplingParams
 
@@ -462,14 +546,21 @@ class VllmSampler:
             e = prompt_embeds[i].detach().to("cpu", torch.bfloat16)
             room = self.max_model_len - e.shape[0]
             if room < 1:
-                raise ValueError(f"row {i}: prompt of {e.shape[0]} positions leaves no room in max_model_len="
+                raise ValueError(f"row {i}: a prompt of {e.shape[0]} positions leaves no room in max_model_len="
                                  f"{self.max_model_len}")
             prompts.append({"prompt_embeds": e})
             params.append(SamplingParams(
                 n=1, temperature=float(temperature), top_p=1.0, top_k=0, min_p=0.0, max_tokens=min(caps[i], room),
                 logprobs=0, seed=row_seed(self.seed, seed, i), stop_token_ids=[self.eos], ignore_eos=True,
                 detokenize=False, skip_special_tokens=False))
-        outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
+        before = torch.get_num_threads()
+        if self.device != "cuda" and self.threads:
+            torch.set_num_threads(self.threads)
+        try:
+            outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
+        finally:
+            if torch.get_num_threads() != before:
+                torch.set_num_threads(before)
         for i, o in zip(live, outs):
             c = o.outputs[0]
             ids[i] = [int(t) for t in c.token_ids]
@@ -477,21 +568,21 @@ class VllmSampler:
         return ids, lps
 
     def close(self) -> None:
-        """Free the engine (tests; a worker restart)."""
+        """Stop the engine (tests; a worker restart)."""
         if self._dense is not None:
             self._dense.remove()
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
             try:
                 llm.llm_engine.engine_core.shutdown()
-            except Exception:
+            except Exception:  # noqa: BLE001 - best effort on teardown
                 pass
         import gc
 
         gc.collect()
 
 
-def _numpy_state(state=None):
+def _numpy_rng(state=None):
     try:
         import numpy as np
     except ImportError:  # pragma: no cover

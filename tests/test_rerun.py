@@ -62,7 +62,8 @@ def test_sigkill_in_replay_then_rerun_matches_uninterrupted(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     states = json.loads(again.stdout[again.stdout.index("{"):])["task_states"]
     ran = {k: v for k, v in states.items() if v != "Cached"}
-    assert ran == {"replay-1": "Completed", "optimize-1": "Completed"}, states
+    # step 1 is the run's last step, so the teacher-forced probe runs after optimize
+    assert ran == {"replay-1": "Completed", "optimize-1": "Completed", "probe-1": "Completed"}, states
     assert any(k.startswith("generate-turn-1-") for k in states) and "collect-rollouts-1" in states
 
     from artifacts import read_table

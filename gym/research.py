@@ -40,6 +40,7 @@ from gym.tools import (
     ToolCallError,
     ToolError,
     format_tool_call,
+    one_arg_tool,
     parse_tool_call,
 )
 from gym.trace import Receipt, TraceError, sha256_text, verify_entries
@@ -241,26 +242,9 @@ class ResearchGym:
 
     def server_tools(self) -> list[Tool]:
         """The tools a tool server serves for this corpus: search, read, calc (stateless, episode-independent)."""
-        search = Tool(
-            name="search",
-            description="Find documents; lists id, entity, attribute.",
-            parameters={
-                "type": "object",
-                "properties": {"query": {"type": "string", "description": "words, e.g. Tavrel mills"}},
-                "required": ["query"],
-            },
-            fn=self._search,
-        )
-        read = Tool(
-            name="read",
-            description="Text of a document.",
-            parameters={
-                "type": "object",
-                "properties": {"doc_id": {"type": "string", "description": "a document id, e.g. d017"}},
-                "required": ["doc_id"],
-            },
-            fn=self._read,
-        )
+        search = one_arg_tool("search", "Find documents; lists id, entity, attribute.", "query",
+                              "words, e.g. Tavrel mills", self._search)
+        read = one_arg_tool("read", "Text of a document.", "doc_id", "a document id, e.g. d017", self._read)
         return [search, read, CALC_TOOL]
 
     def search_ids(self, query: str) -> list[str]:

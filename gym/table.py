@@ -24,6 +24,7 @@ from gym.tools import (
     ToolCallError,
     ToolError,
     format_tool_call,
+    one_arg_tool,
     parse_tool_call,
     run_tool,
 )
@@ -106,16 +107,7 @@ class TableGym:
     # -- tools -------------------------------------------------------------------------------------
 
     def _lookup_tool(self) -> Tool:
-        return Tool(
-            name="lookup",
-            description="Value of a name in this task's table.",
-            parameters={
-                "type": "object",
-                "properties": {"key": {"type": "string", "description": "a name, e.g. alpha"}},
-                "required": ["key"],
-            },
-            fn=self._lookup,
-        )
+        return one_arg_tool("lookup", "Value of a name in this task's table.", "key", "a name, e.g. alpha", self._lookup)
 
     def _lookup(self, key: str) -> str:
         value = self._table.get(key.strip())

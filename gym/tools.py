@@ -86,6 +86,16 @@ def _check_declaration(name: str, parameters: dict[str, Any]) -> None:
             raise ValueError(f"tool {name!r}: required parameter {prop!r} is not in properties")
 
 
+def one_arg_tool(name: str, description: str, param: str, param_description: str, fn: Callable[..., Any],
+                 type_: str = "string") -> Tool:
+    """A tool with a single required argument (the shape of every built-in tool)."""
+    return Tool(name=name, description=description, fn=fn, parameters={
+        "type": "object",
+        "properties": {param: {"type": type_, "description": param_description}},
+        "required": [param],
+    })
+
+
 @dataclass(frozen=True)
 class ToolCall:
     """A well-formed call of a known tool with validated arguments."""
@@ -371,13 +381,5 @@ def calc(expression: str) -> str:
         return ERROR_PREFIX + str(exc)
 
 
-CALC_TOOL = Tool(
-    name="calc",
-    description="Evaluate arithmetic with + - * / and parentheses.",
-    parameters={
-        "type": "object",
-        "properties": {"expression": {"type": "string", "description": "e.g. 7 + 12"}},
-        "required": ["expression"],
-    },
-    fn=calc_tool_fn,
-)
+CALC_TOOL = one_arg_tool("calc", "Evaluate arithmetic with + - * / and parentheses.", "expression", "e.g. 7 + 12",
+                         calc_tool_fn)

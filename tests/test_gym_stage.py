@@ -190,7 +190,6 @@ def _oracle_turns(run_dir: str, tmp_path, *, restart_every: int = 0, fail_turn: 
 def test_research_gym_over_the_tool_server_with_faults_loses_no_episode(tmp_path):
     """The driver's real path: research episodes through the tool server the run starts, 20 % of requests
     faulted; every episode completes with the oracle's full reward and a sealed trace that verifies."""
-    from stages import context
     from stages.gym import episode_stats, verify_traces
 
     run_dir = make_run(tmp_path / "run", **{

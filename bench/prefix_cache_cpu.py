@@ -75,7 +75,7 @@ def run(name, model, toks, rows, repeats, K):
 
             x, mask, pos = M.left_pad([emb(torch.tensor(p)) for p in prefixes])
             with torch.no_grad():
-                text(inputs_embeds=x, attention_mask=mask, position_ids=pos, cache=DynamicCache(config=text.config),
+                text(inputs_embeds=x, attention_mask=mask, position_ids=pos, **M.cache_kw(DynamicCache(config=text.config)),
                      use_cache=True)
 
         def cached_prefill(c):

@@ -38,14 +38,14 @@ def cached_decode(model, prefix: list[int], thoughts: torch.Tensor, answer: list
     n = x.shape[1]
     cache = DynamicCache(config=text.config)
     pos = torch.arange(n)[None]
-    h = text(inputs_embeds=x, position_ids=pos, cache=cache, use_cache=True).last_hidden_state[:, -1]
+    h = text(inputs_embeds=x, position_ids=pos, **M.cache_kw(cache), use_cache=True).last_hidden_state[:, -1]
     out = []
     for i, tok in enumerate(answer):
         out.append(torch.log_softmax(head(h).float() / temperature, -1)[0])
         if i == len(answer) - 1:
             break
         pos = pos[:, -1:] + 1
-        h = text(inputs_embeds=emb(torch.tensor([[tok]])), position_ids=pos, cache=cache,
+        h = text(inputs_embeds=emb(torch.tensor([[tok]])), position_ids=pos, **M.cache_kw(cache),
                  use_cache=True).last_hidden_state[:, -1]
     return torch.stack(out)
 

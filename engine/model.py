@@ -5,7 +5,9 @@ Shapes: B rows, P prefix tokens, K thoughts, L answer tokens, d hidden size.
 
 from __future__ import annotations
 
+import inspect
 import math
+from functools import lru_cache
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,6 +95,21 @@ def adapter_config_dict(peft_model) -> dict:
 # batching helpers
 
 
+@lru_cache(maxsize=1)
+def _cache_arg() -> str:
+    """The text model's cache argument: `cache` (transformers 5.2x) or `past_key_values` (5.17, the GPU machine's).
+
+    Passing the wrong name is silently ignored by those versions (the model then decodes from an empty cache)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
+
+    return "cache" if "cache" in inspect.signature(Qwen3_5TextModel.forward).parameters else "past_key_values"
+
+
+def cache_kw(cache) -> dict:
+    """``**cache_kw(c)`` passes an incremental cache to the text model under the installed version's name."""
+    return {_cache_arg(): cache}
+
+
 def _parts(model):
     """(text model, lm_head, embedding) of a plain or PEFT-wrapped Qwen3_5ForCausalLM."""
     m = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -168,7 +185,7 @@ def latent_loop(model, prefixes: list[list[int]], K: int, sigma: float, scale: f
     seqs = [emb(torch.tensor(p + [toks.think])) for p in prefixes]
     x, mask, pos = left_pad(seqs)
     cache = DynamicCache(config=text.config)
-    h = text(inputs_embeds=x, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).last_hidden_state[:, -1]
+    h = text(inputs_embeds=x, attention_mask=mask, position_ids=pos, **cache_kw(cache), use_cache=True).last_hidden_state[:, -1]
     zs, lqs = [], []
     for k in range(K):
         mu = thought_mean(h, scale)  # (B, d)
@@ -180,7 +197,7 @@ def latent_loop(model, prefixes: list[list[int]], K: int, sigma: float, scale: f
             break
         mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
         pos = pos[:, -1:] + 1
-        h = text(inputs_embeds=z[:, None].to(dtype), attention_mask=mask, position_ids=pos, cache=cache,
+        h = text(inputs_embeds=z[:, None].to(dtype), attention_mask=mask, position_ids=pos, **cache_kw(cache),
                  use_cache=True).last_hidden_state[:, -1]
     return torch.stack(zs, 1), torch.stack(lqs, 1)
 
@@ -212,7 +229,7 @@ def sample_answers(model, prompts: list[torch.Tensor], max_new: int, temperature
     B = len(prompts)
     x, mask, pos = left_pad(prompts)
     cache = DynamicCache(config=text.config)
-    h = text(inputs_embeds=x, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).last_hidden_state[:, -1]
+    h = text(inputs_embeds=x, attention_mask=mask, position_ids=pos, **cache_kw(cache), use_cache=True).last_hidden_state[:, -1]
     ids: list[list[int]] = [[] for _ in range(B)]
     lps: list[list[float]] = [[] for _ in range(B)]
     cap = [max_new if limits is None else max(0, min(max_new, int(limits[i]))) for i in range(B)]
@@ -232,7 +249,7 @@ def sample_answers(model, prompts: list[torch.Tensor], max_new: int, temperature
             break
         mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
         pos = pos[:, -1:] + 1
-        h = text(inputs_embeds=emb(nxt[:, None]), attention_mask=mask, position_ids=pos, cache=cache,
+        h = text(inputs_embeds=emb(nxt[:, None]), attention_mask=mask, position_ids=pos, **cache_kw(cache),
                  use_cache=True).last_hidden_state[:, -1]
     return ids, lps
 

@@ -41,7 +41,7 @@ from typing import Sequence
 
 import torch
 
-from engine.model import Tokens, _parts, gaussian_logq, thought_mean
+from engine.model import Tokens, _parts, cache_kw, gaussian_logq, thought_mean
 
 LINEAR, ATTN = "linear_attention", "full_attention"
 
@@ -385,7 +385,7 @@ def prefill_rows(model, prefixes: list[list[int]], cache: PrefixCache | None,
         for end in cuts + [len(q)]:
             ids = torch.tensor([q[start:end]], dtype=torch.long, device=dev)
             pos = torch.arange(start, end, device=dev)[None]
-            h = text(input_ids=ids, position_ids=pos, cache=kv, use_cache=True).last_hidden_state[0, -1]
+            h = text(input_ids=ids, position_ids=pos, **cache_kw(kv), use_cache=True).last_hidden_state[0, -1]
             st = RowState(end, _snapshot(kv, kinds), h)  # live tensors: _insert clones them
             if cache is not None:
                 node = cache._insert(node, q[:end], st, kinds)
@@ -399,7 +399,7 @@ def _decode_step(text, x: torch.Tensor, kv, mask: torch.Tensor, pos: torch.Tenso
     B, n = x.shape[:2]
     mask = torch.cat([mask, mask.new_ones(B, n)], 1)
     p = pos + torch.arange(n, device=pos.device)[None]
-    h = text(inputs_embeds=x, attention_mask=mask, position_ids=p, cache=kv, use_cache=True).last_hidden_state[:, -1]
+    h = text(inputs_embeds=x, attention_mask=mask, position_ids=p, **cache_kw(kv), use_cache=True).last_hidden_state[:, -1]
     return h, mask, p[:, -1:] + 1
 
 

@@ -1,0 +1,468 @@
+"""The seed's recipe shape on one GPU: a random-weight model of the Qwen3.5-27B text shape, one GRPO group.
+
+    python bench/recipe_27b.py --base bf16|nf4 --turns 4 --prompt-tokens 3072 --thoughts 16 \\
+        --answer-tokens 64 --tool-tokens 128 --out results.json
+    python bench/recipe_27b.py --small ...      # the tiny arch on the CPU (eager static path): checks the flow
+
+One group of `--rows` rollouts shares a random prompt c_0; every turn, per row:
+    prefill  trainer: engine.prefix_cache.prefill_rows (each row alone from its longest stored prefix, turn
+             boundaries) -- and the sampler's prefill of the same prefix (same cache when trainer and sampler
+             hold the same weights, i.e. the BF16 base; its own cache for NF4, whose sampler is the BF16 export)
+    latent   GraphedLatentLoop.run_rows: <think> + K-1 thoughts on the static cache, CUDA-graph replay
+    answers  GraphedDecoder.sample_rows: <think> ⊕ z ⊕ </think> chunk, then exactly --answer-tokens tokens
+    gym      c_{t+1} = c_t ⊕ answer ⊕ --tool-tokens random tool-result ids (no tool runs: ~0 s)
+Trainer = base + DoRA adapter (configs/qwen35-27b.yaml: r16, FP32 masters, random non-zero B). NF4: the trainer's
+base is bitsandbytes NF4 and the sampler is the BF16 export of its dequantized weights (checked bit for bit).
+PEFT layers run with engine.cuda_graphs.FrozenAdapter (DoRA scale computed once per adapter version, PEFT's
+arithmetic bit for bit) in every phase.
+
+Printed and written as JSON: per-phase seconds per turn, generation seconds per model turn (prefill + latent +
+answers), latent ms/step (eager HF dynamic cache with PEFT's own forward, eager static, graphed replay) and decode
+ms/token (eager static, graphed; CUDA and CPU generator) at the group's batch, next to the HBM floor (bytes a step
+reads / 4.8 TB/s), the prefix cache's computed share, and cached vs uncached last-position logits. Targets (not
+gates): latent step <= 15 ms, decode <= 13 ms/token, computed share <= 10 % with logits within 1e-3, generation
+<= 1.5 s per model turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+HBM_BYTES_PER_S = 4.8e12  # H200
+PAD, EOS, THINK, ANSWER_OPEN = 0, 1, 2, 3
+
+
+def sync(dev):
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def timed(dev, fn):
+    sync(dev)
+    t = time.perf_counter()
+    out = fn()
+    sync(dev)
+    return out, time.perf_counter() - t
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# model
+
+
+def build_random(arch: dict, vocab: int, device, dtype, seed: int, std: float = 0.02, init: bool = True):
+    """Qwen3_5ForCausalLM on `device` with random weights: meta build, to_empty, in-place init (init=False: the
+    caller fills every tensor, e.g. from an export)."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM
+
+    from engine.model import tiny_config
+
+    cfg = tiny_config(arch, vocab, PAD, EOS)
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM(cfg)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    done = set()
+    with torch.no_grad():
+        for mod in (model.modules() if init else ()):
+            name = type(mod).__name__
+            if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d)):
+                mod.weight.normal_(0, std, generator=g)
+                done.add(id(mod.weight))
+                if getattr(mod, "bias", None) is not None:
+                    mod.bias.zero_()
+                    done.add(id(mod.bias))
+            elif name == "Qwen3_5RMSNorm":
+                mod.weight.zero_()  # (1 + w) scaling
+                done.add(id(mod.weight))
+            elif name == "Qwen3_5RMSNormGated":
+                mod.weight.fill_(1)
+                done.add(id(mod.weight))
+            elif name == "Qwen3_5GatedDeltaNet":
+                mod.dt_bias.fill_(1)
+                a = torch.empty(mod.A_log.shape, device=device, dtype=torch.float32).uniform_(0.01, 16, generator=g)
+                mod.A_log.copy_(a.log())
+                done.update({id(mod.dt_bias), id(mod.A_log)})
+    missed = [n for n, p in model.named_parameters() if id(p) not in done]
+    if missed and init:
+        raise RuntimeError(f"uninitialized parameters: {missed[:5]}")
+    rot = model.model.rotary_emb  # non-persistent buffers (inv_freq) are garbage after to_empty
+    model.model.rotary_emb = type(rot)(config=cfg).to(device)
+    return model.eval()
+
+
+def with_adapter(model, adapter_cfg, seed: int):
+    import torch
+
+    from engine import model as M
+
+    torch.manual_seed(seed)
+    peft_model = M.attach_adapter(model, adapter_cfg)
+    g = torch.Generator(device=next(peft_model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 1e-3, generator=g)
+    return peft_model.eval()
+
+
+def weight_bytes(model) -> int:
+    """Bytes one decode step reads: every parameter except the input embedding table (B rows of it)."""
+    from engine import nf4
+
+    rep = nf4.nf4_weight_bytes(model)
+    return rep["total_bytes"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the run
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", choices=["bf16", "nf4"], default="bf16")
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--rows", type=int, default=4)
+    p.add_argument("--prompt-tokens", type=int, default=3072)
+    p.add_argument("--thoughts", type=int, default=16)
+    p.add_argument("--answer-tokens", type=int, default=64)
+    p.add_argument("--tool-tokens", type=int, default=128)
+    p.add_argument("--eager-steps", type=int, default=3, help="steps of each eager baseline")
+    p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (quick checks)")
+    p.add_argument("--small", action="store_true", help="tiny arch on the CPU, eager static path (flow check)")
+    p.add_argument("--attention", choices=["gqa", "hf"], default="gqa",
+                   help="static-cache attention: grouped (no repeat_kv copies) or the model's own (sdpa)")
+    p.add_argument("--profile", action="store_true",
+                   help="also: latent replay ms/step with each attention, and a kernel profile of eager static steps")
+    p.add_argument("--out", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+
+    import torch
+
+    from configs.schema import load_config
+    from engine import cuda_graphs as CG
+    from engine import model as M
+    from engine import nf4
+    from engine import prefix_cache as PC
+
+    t_start = time.perf_counter()
+    cfg27 = load_config("qwen35-27b")
+    if a.small:
+        arch = dict(load_config("tiny").model.arch)
+        vocab, dev, dtype = 512, torch.device("cpu"), torch.float32
+        torch.set_num_threads(1)
+    else:
+        arch = dict(cfg27.model.arch)
+        vocab, dev, dtype = arch["vocab_size"], torch.device("cuda"), torch.bfloat16
+    arch["vocab_size"] = vocab
+    if a.layers:
+        kinds = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+        arch["num_hidden_layers"] = a.layers
+        arch["layer_types"] = [kinds[i % 4] for i in range(a.layers)]
+    graphed = dev.type == "cuda"
+    toks = M.Tokens(pad=PAD, eos=EOS, think=THINK, answer_open=ANSWER_OPEN)
+    res: dict = {"args": vars(a), "arch": arch, "torch": torch.__version__,
+                 "device": torch.cuda.get_device_name(dev) if graphed else platform.processor()}
+    import transformers
+
+    res["transformers"] = transformers.__version__
+
+    # -- models ------------------------------------------------------------------------------------------------------
+    base, res["build_s"] = timed(dev, lambda: build_random(arch, vocab, dev, dtype, a.seed))
+    res["params"] = sum(p_.numel() for p_ in base.parameters())
+    acfg = cfg27.adapter
+    if a.base == "nf4":
+        n, res["quantize_s"] = timed(dev, lambda: nf4.quantize_nf4_(base))
+        res["quantized_layers"] = n
+        sampler_base = build_random(arch, vocab, dev, dtype, a.seed + 1, init=False)
+        # the export: the trainer's dequantized weights, streamed into the sampler's BF16 copy
+        _, res["export_s"] = timed(dev, lambda: nf4.load_state_into(sampler_base, base))
+        trainer = with_adapter(base, acfg, a.seed)
+        sampler = with_adapter(sampler_base, acfg, a.seed + 7)
+        M.load_adapter_state(sampler, M.adapter_state(trainer))
+        rep, res["export_check_s"] = timed(dev, lambda: nf4.verify_export(trainer, sampler))
+        res["export_equal"] = rep["equal"]
+        res["export_check"] = rep
+    else:
+        trainer = with_adapter(base, acfg, a.seed)
+        sampler = trainer
+    res["adapter_s"] = round(time.perf_counter() - t_start - res["build_s"], 2)
+    if graphed:
+        res["gpu_mem_models_gb"] = round(torch.cuda.memory_allocated(dev) / 1e9, 2)
+    scale = M.embed_scale(trainer)
+    sigma = cfg27.latent.sigma * scale
+    K, A, T, B = a.thoughts, a.answer_tokens, a.tool_tokens, a.rows
+    capacity = a.prompt_tokens + a.turns * (A + T) + K + 2 + A + 8
+    loop = CG.GraphedLatentLoop(trainer, capacity=capacity, graphed=graphed, profile=True, attention=a.attention)
+    dec = CG.GraphedDecoder(sampler, capacity=capacity, graphed=graphed, profile=True, attention=a.attention)
+    tcache = PC.PrefixCache(40 << 30)
+    scache = tcache if sampler is trainer else PC.PrefixCache(40 << 30)
+    res["floor_ms"] = {"trainer": round(weight_bytes(trainer) / HBM_BYTES_PER_S * 1e3, 2),
+                       "sampler": round(weight_bytes(sampler) / HBM_BYTES_PER_S * 1e3, 2)}
+
+    # -- the episode -------------------------------------------------------------------------------------------------
+    g = torch.Generator().manual_seed(a.seed)
+    rnd = lambda n: torch.randint(10, vocab, (n,), generator=g).tolist()  # noqa: E731
+    c0 = rnd(a.prompt_tokens)
+    prefixes = [list(c0) for _ in range(B)]
+    history: list[list[list[int]]] = []
+    gen_lat = torch.Generator(device=dev).manual_seed(a.seed + 1)
+    gen_smp = torch.Generator(device=dev).manual_seed(a.seed + 2)
+    turns = []
+    for t in range(a.turns):
+        bounds = [[len(h[i]) for h in history] for i in range(B)]
+        row = {"turn": t, "prefix_tokens": [len(x) for x in prefixes]}
+        tc0 = (tcache.input_tokens, tcache.computed_tokens)
+        with loop.frozen:
+            rs, row["prefill_trainer_s"] = timed(dev, lambda: PC.prefill_rows(trainer, prefixes, tcache, bounds))
+        row["trainer_computed_tokens"] = tcache.computed_tokens - tc0[1]
+        row["trainer_input_tokens"] = tcache.input_tokens - tc0[0]
+        loop.reset_stats()
+        (z, lq), row["latent_s"] = timed(dev, lambda: loop.run_rows(rs, K, sigma, scale, toks, gen_lat))
+        row["latent_steps"] = dict(loop.stats()["counts"])
+        row["latent_times_s"] = {k: round(v, 4) for k, v in loop.stats()["times_s"].items()}
+        with dec.frozen:
+            rs2, row["prefill_sampler_s"] = timed(dev, lambda: PC.prefill_rows(sampler, prefixes, scache, bounds))
+        dec.reset_stats()
+        (ids, lps), row["answers_s"] = timed(dev, lambda: dec.sample_rows(rs2, z, A, 1.0, toks, gen_smp,
+                                                                          limits=[A] * B))
+        row["decode_steps"] = dict(dec.stats()["counts"])
+        row["decode_times_s"] = {k: round(v, 4) for k, v in dec.stats()["times_s"].items()}
+        row["answer_tokens"] = [len(x) for x in ids]
+
+        def gym():
+            history.append([list(x) for x in prefixes])
+            for i in range(B):
+                ans = ids[i] + rnd(A - len(ids[i]))  # fixed answer length even if a row hit <|im_end|>
+                prefixes[i] = prefixes[i] + ans + rnd(T)
+        _, row["gym_s"] = timed(dev, gym)
+        row["prefill_s"] = row["prefill_trainer_s"] + row["prefill_sampler_s"]
+        row["generation_s"] = row["prefill_s"] + row["latent_s"] + row["answers_s"]
+        turns.append(row)
+        print(f"turn {t}: prefill {row['prefill_s']:.2f}s (trainer computed {row['trainer_computed_tokens']}/"
+              f"{row['trainer_input_tokens']} tok)  latent {row['latent_s']:.3f}s  answers {row['answers_s']:.3f}s  "
+              f"gym {row['gym_s']:.4f}s  -> generation {row['generation_s']:.2f}s", flush=True)
+    res["turns"] = turns
+    res["phases_s"] = {k: round(sum(r[k] for r in turns), 3) for k in ("prefill_s", "latent_s", "answers_s", "gym_s")}
+    steady = turns[1:] if len(turns) > 1 else turns
+    res["generation_s_per_turn"] = {"first": round(turns[0]["generation_s"], 3),
+                                    "later_mean": round(sum(r["generation_s"] for r in steady) / len(steady), 3)}
+
+    # -- per-step figures at batch B (the last turn's rows) -------------------------------------------------------
+    def per(times, counts, key):
+        return round(1e3 * times.get(key, 0.0) / counts[key], 2) if counts.get(key) else None
+
+    lat = {"graphed_replay": None, "eager_static": None, "eager_hf_dynamic": None}
+    dcd = {"graphed_replay": None, "eager_static": None, "graphed_replay_cpu_generator": None}
+    bounds = [[len(h[i]) for h in history] for i in range(B)]
+    with loop.frozen:
+        rs = PC.prefill_rows(trainer, prefixes, tcache, bounds)
+    loop.reset_stats()
+    loop.run_rows(rs, K, sigma, scale, toks, gen_lat)
+    st = loop.stats()
+    mode = "replay" if graphed else "eager"
+    lat["graphed_replay" if graphed else "eager_static"] = per(st["times_s"], st["counts"], mode)
+    lat["first_call"] = {k: round(v, 4) for k, v in turns[0]["latent_times_s"].items()}
+    if graphed:
+        eager_loop = CG.GraphedLatentLoop(trainer, capacity=capacity, graphed=False, profile=True,
+                                          attention=a.attention)
+        eager_loop.frozen = loop.frozen
+        eager_loop.run_rows(rs, a.eager_steps, sigma, scale, toks, gen_lat)
+        st = eager_loop.stats()
+        lat["eager_static"] = per(st["times_s"], st["counts"], "eager")
+        del eager_loop
+    # eager HF: DynamicCache + PEFT's own forward (no frozen DoRA scale), as engine.prefix_cache decodes
+    kv, mask, pos = PC.stack_rows(rs)
+    text, _, emb = M._parts(trainer)
+    x = emb(torch.full((B, 1), THINK, dtype=torch.long, device=dev))
+    ts = []
+    with torch.no_grad():
+        for _ in range(a.eager_steps):
+            (h, mask, pos), dt = timed(dev, lambda: PC._decode_step(text, x, kv, mask, pos))
+            ts.append(dt)
+            x = h[:, None].to(dtype)
+    lat["eager_hf_dynamic"] = round(1e3 * sum(ts[1:] or ts) / len(ts[1:] or ts), 2)
+    res["latent_ms_per_step"] = lat
+
+    with dec.frozen:
+        rs2 = PC.prefill_rows(sampler, prefixes, scache, bounds)
+    dec.reset_stats()
+    dec.sample_rows(rs2, z, A, 1.0, toks, gen_smp, limits=[A] * B)
+    st = dec.stats()
+    dcd["graphed_replay" if graphed else "eager_static"] = per(st["times_s"], st["counts"], mode)
+    if graphed:
+        dec.reset_stats()
+        dec.sample_rows(rs2, z, 16, 1.0, toks, torch.Generator().manual_seed(5), limits=[16] * B)
+        st = dec.stats()
+        dcd["graphed_replay_cpu_generator"] = per(st["times_s"], st["counts"], "replay")
+        # wall per token of a 16-token call with a CPU generator (4 MB of log-probs to the host per token); includes
+        # the call's load_rows and its eager <think> ⊕ z ⊕ </think> chunk, amortized over 16 tokens
+        _, wall = timed(dev, lambda: dec.sample_rows(rs2, z, 16, 1.0, toks, torch.Generator().manual_seed(5),
+                                                      limits=[16] * B))
+        dcd["wall_ms_per_token_cpu_generator"] = round(1e3 * wall / 16, 2)
+        _, wall = timed(dev, lambda: dec.sample_rows(rs2, z, 16, 1.0, toks, torch.Generator(device=dev).manual_seed(5),
+                                                      limits=[16] * B))
+        dcd["wall_ms_per_token_cuda_generator"] = round(1e3 * wall / 16, 2)
+        eager_dec = CG.GraphedDecoder(sampler, capacity=capacity, graphed=False, profile=True, attention=a.attention)
+        eager_dec.frozen = dec.frozen
+        eager_dec.sample_rows(rs2, z, a.eager_steps + 1, 1.0, toks, gen_smp, limits=[a.eager_steps + 1] * B)
+        st = eager_dec.stats()
+        dcd["eager_static"] = per(st["times_s"], st["counts"], "eager")
+        del eager_dec
+    res["decode_ms_per_token"] = dcd
+
+    # -- prefix cache: computed share, cached vs uncached logits -------------------------------------------------
+    tin = sum(r["trainer_input_tokens"] for r in turns)
+    tcomp = sum(r["trainer_computed_tokens"] for r in turns)
+    res["prefix_cache"] = {"trainer_input_tokens": tin, "trainer_computed_tokens": tcomp,
+                           "trainer_computed_share": round(tcomp / max(1, tin), 4),
+                           "counters": tcache.counters(),
+                           "sampler_counters": None if scache is tcache else scache.counters()}
+    _, head, _ = M._parts(trainer)
+
+    def logits_of(h):
+        return head(h.to(dev)[None]).float()[0]
+
+    def gap(x, y):
+        return {"max_abs_logit_diff": float((x - y).abs().max()),
+                "max_abs_logprob_diff": float((torch.log_softmax(x, -1) - torch.log_softmax(y, -1)).abs().max())}
+
+    lc = {}
+    with torch.no_grad(), loop.frozen:
+        last = history[-1][0]  # row 0's last-turn prefix (stored in the cache at a turn boundary)
+        n, st_ = tcache.lookup(last)
+        assert n == len(last), (n, len(last))
+        cached = logits_of(st_.last_hidden)
+        full = text(input_ids=torch.tensor([last], device=dev),
+                    position_ids=torch.arange(len(last), device=dev)[None]).last_hidden_state[0, -1]
+        uncached = logits_of(full)
+        lc["final_prefix"] = {"tokens": len(last), **gap(cached, uncached), "logit_scale": float(uncached.abs().max())}
+        rec = PC.prefill_rows(trainer, [last], None, [bounds[0][:-1]])  # recomputed, same turn boundaries, no cache
+        lc["final_vs_recomputed_same_chunks"] = gap(cached, logits_of(rec.rows[0].last_hidden))
+        n0, st0 = tcache.lookup(c0)
+        full0 = text(input_ids=torch.tensor([c0], device=dev),
+                     position_ids=torch.arange(len(c0), device=dev)[None]).last_hidden_state[0, -1]
+        lc["c0_one_chunk"] = {"tokens": len(c0), **gap(logits_of(st0.last_hidden), logits_of(full0))}
+        if sampler is not trainer:  # NF4 trainer vs BF16 sampler on the same prefix: what the parity gate sees
+            n1, st1 = scache.lookup(last)
+            with dec.frozen:
+                ls = M._parts(sampler)[1](st1.last_hidden.to(dev)[None]).float()[0]
+            lc["trainer_vs_sampler"] = {**gap(cached, ls), "argmax_equal": bool(cached.argmax() == ls.argmax())}
+    lc["max_abs_logit_diff"] = lc["final_prefix"]["max_abs_logit_diff"]
+    lc["max_abs_logprob_diff"] = lc["final_prefix"]["max_abs_logprob_diff"]
+    res["logits_check"] = lc
+
+    if a.profile and graphed:
+        res["profile"] = profile_section(a, trainer, prefixes, history, tcache, capacity, K, sigma, scale, toks, dev)
+    res["wall_s"] = round(time.perf_counter() - t_start, 1)
+    if graphed:
+        res["gpu_peak_gb"] = round(torch.cuda.max_memory_allocated(dev) / 1e9, 2)
+    res["targets"] = {
+        "latent_step_ms<=15": lat["graphed_replay"] is not None and lat["graphed_replay"] <= 15,
+        "decode_ms_per_token<=13": dcd["graphed_replay"] is not None and dcd["graphed_replay"] <= 13,
+        "computed_share<=0.10": res["prefix_cache"]["trainer_computed_share"] <= 0.10,
+        "logits_within_1e-3": res["logits_check"]["max_abs_logprob_diff"] <= 1e-3,
+        "generation_per_turn<=1.5s": res["generation_s_per_turn"]["later_mean"] <= 1.5,
+    }
+    print_table(res)
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    return res
+
+
+def profile_section(a, trainer, prefixes, history, tcache, capacity, K, sigma, scale, toks, dev) -> dict:
+    """Latent replay ms/step with each attention route, and a kernel profile of eager static steps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine import cuda_graphs as CG
+    from engine import prefix_cache as PC
+
+    B = len(prefixes)
+    bounds = [[len(h[i]) for h in history] for i in range(B)]
+    with CG.FrozenAdapter(trainer):
+        rs = PC.prefill_rows(trainer, prefixes, tcache, bounds)
+    out = {"latent_replay_ms_by_attention": {}}
+    g = torch.Generator(device=dev).manual_seed(9)
+    for attn in ("hf", "gqa"):
+        lp = CG.GraphedLatentLoop(trainer, capacity=capacity, graphed=True, profile=True, attention=attn)
+        lp.run_rows(rs, K, sigma, scale, toks, g)  # warm-up + capture
+        lp.reset_stats()
+        lp.run_rows(rs, K, sigma, scale, toks, g)  # replay only
+        t, c = lp.stats()["times_s"], lp.stats()["counts"]
+        out["latent_replay_ms_by_attention"][attn] = round(1e3 * t["replay"] / c["replay"], 2)
+        del lp
+    ev = CG.GraphedLatentLoop(trainer, capacity=capacity, graphed=False, attention=a.attention)
+    ev.run_rows(rs, 2, sigma, scale, toks, g)
+    steps = 3
+    with ev._adapter(), torch.no_grad():
+        ev._step()
+        torch.cuda.synchronize(dev)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                ev._step()
+            torch.cuda.synchronize(dev)
+    kern = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in kern)
+    calls = sum(e.count for e in kern)
+    top = sorted(kern, key=lambda e: -e.self_device_time_total)[:40]
+    out["kernels_per_step"] = round(calls / steps)
+    out["kernel_ms_per_step"] = round(total / 1e3 / steps, 2)
+    out["top_kernels"] = [{"name": e.key, "ms_per_step": round(e.self_device_time_total / 1e3 / steps, 3),
+                           "calls_per_step": e.count / steps} for e in top]
+    return out
+
+
+def print_table(res: dict) -> None:
+    a = res["args"]
+    print(f"\n== recipe {a['base']}: {res['params'] / 1e9:.2f} B params, rows {a['rows']}, prompt {a['prompt_tokens']}, "
+          f"K {a['thoughts']}, answer {a['answer_tokens']}, tool {a['tool_tokens']}, turns {a['turns']} "
+          f"({res['device']}, torch {res['torch']}, transformers {res['transformers']})")
+    print(f"{'turn':>4} {'prefill s':>10} {'latent s':>9} {'answers s':>10} {'gym s':>7} {'gen s':>7} {'computed/input':>16}")
+    for r in res["turns"]:
+        print(f"{r['turn']:>4} {r['prefill_s']:>10.3f} {r['latent_s']:>9.3f} {r['answers_s']:>10.3f} {r['gym_s']:>7.4f} "
+              f"{r['generation_s']:>7.3f} {r['trainer_computed_tokens']:>7}/{r['trainer_input_tokens']:<8}")
+    ph = res["phases_s"]
+    print(f"{'sum':>4} {ph['prefill_s']:>10.3f} {ph['latent_s']:>9.3f} {ph['answers_s']:>10.3f} {ph['gym_s']:>7.4f}")
+    lat, dcd, fl = res["latent_ms_per_step"], res["decode_ms_per_token"], res["floor_ms"]
+    print(f"latent ms/step (batch {a['rows']}): graphed {lat['graphed_replay']}  eager static {lat['eager_static']}  "
+          f"eager HF dynamic {lat['eager_hf_dynamic']}  | floor {fl['trainer']} ms (target <= 15)")
+    print(f"decode ms/token (batch {a['rows']}): graphed {dcd['graphed_replay']}  eager static {dcd['eager_static']}  "
+          f"| 16-token call wall/token (incl. chunk) CUDA gen {dcd.get('wall_ms_per_token_cuda_generator')}  CPU gen "
+          f"{dcd.get('wall_ms_per_token_cpu_generator')}  | floor {fl['sampler']} ms (target <= 13)")
+    pc, lc = res["prefix_cache"], res["logits_check"]
+    print(f"prefix cache: trainer computed {pc['trainer_computed_tokens']}/{pc['trainer_input_tokens']} = "
+          f"{pc['trainer_computed_share']:.1%} (target <= 10 %); cached vs uncached one-shot: max |dlogit| "
+          f"{lc['max_abs_logit_diff']:.2e}, max |dlogp| {lc['max_abs_logprob_diff']:.2e} (target <= 1e-3)")
+    print(f"  cached vs recomputed with the same turn chunks: {lc['final_vs_recomputed_same_chunks']}; c_0 cached vs "
+          f"one-shot (one chunk both): {lc['c0_one_chunk']}")
+    if "trainer_vs_sampler" in lc:
+        print(f"  NF4 trainer vs BF16 sampler, same prefix: {lc['trainer_vs_sampler']}")
+    if "profile" in res:
+        pr = res["profile"]
+        print(f"profile: latent replay ms/step by attention {pr['latent_replay_ms_by_attention']}; eager static step: "
+              f"{pr['kernels_per_step']} kernels, {pr['kernel_ms_per_step']} ms of kernels")
+        for k in pr["top_kernels"][:15]:
+            print(f"  {k['ms_per_step']:>8.3f} ms {k['calls_per_step']:>6.0f}x  {k['name'][:100]}")
+    gs = res["generation_s_per_turn"]
+    print(f"generation per model turn: first {gs['first']} s, later mean {gs['later_mean']} s (target <= 1.5 s)")
+    if "export_equal" in res:
+        print(f"NF4: {res['quantized_layers']} layers quantized in {res['quantize_s']:.1f} s; BF16 export equal to the "
+              f"trainer's dequantized weights: {res['export_equal']}")
+    print("targets:", ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in res["targets"].items()))
+
+
+if __name__ == "__main__":
+    main()

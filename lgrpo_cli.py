@@ -172,6 +172,45 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_gates(args) -> int:
+    """Per-step gate history of a run: rollout parity (fresh: gated; reuse: drift), probes, verified checkpoint."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from artifacts import RunDir, read_json, read_jsonl
+
+    rd = RunDir(Path(args.run_dir))
+    parity = read_jsonl(rd.parity_history()) if rd.parity_history().exists() else []
+    probes = {p["step"]: p for p in read_jsonl(rd.root / "probe_history.jsonl")} \
+        if (rd.root / "probe_history.jsonl").exists() else {}
+    t = Table(title=f"gates of {rd.root}")
+    for col in ("step", "kind", "tokens", "mean gap", "max gap", "masked", "k3 KL", "IS ratio min/max", "parity",
+                "probe max gap", "probe argmax"):
+        t.add_column(col, justify="right")
+    for p in parity:
+        pr = probes.get(p["step"])
+        verdict = "-" if not p.get("gated", True) else ("pass" if p["passed"] else "FAIL")
+        t.add_row(str(p["step"]), p.get("kind", "fresh"), str(p["tokens_considered"]), f"{p['mean_gap']:.2e}",
+                  f"{p['max_gap']:.2e}", str(p["masked"]), f"{p['k3_kl']:.1e}",
+                  f"{p['is_ratio_min']:.3f}/{p['is_ratio_max']:.3f}", verdict,
+                  f"{pr['max_gap']:.2e}" if pr else "", f"{pr['argmax_agreement']:.3f}" if pr else "")
+    console = Console(width=max(Console().width, 150))  # a table of numbers: never elide them
+    console.print(t)
+    fresh = [p for p in parity if p.get("gated", True)]
+    if fresh:
+        console.print(f"rollout parity over {len(fresh)} fresh steps: all passed = {all(p['passed'] for p in fresh)}, "
+                      f"max of per-step mean gaps {max(p['mean_gap'] for p in fresh):.2e} (limit "
+                      f"{fresh[0]['limits']['mean_max']}), largest token gap {max(p['max_gap'] for p in fresh):.2e}, "
+                      f"masked tokens {sum(p['masked'] for p in fresh)}")
+    if probes:
+        console.print(f"probes: {len(probes)}, all passed = {all(p['passed'] for p in probes.values())}, "
+                      f"max gap {max(p['max_gap'] for p in probes.values()):.2e}")
+    vc = rd.root / "verified_checkpoint.json"
+    if vc.exists():
+        console.print(f"verified checkpoint: {read_json(vc)}")
+    return 0
+
+
 def cmd_verify_trace(args) -> int:
     from gym.trace import TraceError, verify_trace
 
@@ -204,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     e = sub.add_parser("eval", help="held-out evaluation of a step's adapter")
     e.add_argument("--run-dir", required=True)
     e.add_argument("--step", type=int, default=None)
+    gt = sub.add_parser("gates", help="per-step gate history of a run (parity, drift, probes, checkpoint)")
+    gt.add_argument("--run-dir", required=True)
     v = sub.add_parser("verify-trace", help="verify stored provenance traces (hash chain and seal)")
     v.add_argument("paths", nargs="+")
     args = ap.parse_args(argv)
@@ -214,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return {"train": cmd_train, "rerun": cmd_rerun, "eval": cmd_eval,
-                "verify-trace": cmd_verify_trace}[args.cmd](args)
+                "verify-trace": cmd_verify_trace, "gates": cmd_gates}[args.cmd](args)
     except ConfigError as e:
         print(f"lgrpo: {e}", file=sys.stderr)
         return 2

@@ -18,6 +18,9 @@ always reloads.
   forward hook computes the LoRA term in FP32 from the FP32 masters and combines base output, LoRA term and magnitude
   in FP32, rounding once — the trainer's formula, for single and packed layers alike (:class:`DenseAdapter`).
 
+Teacher-forced scoring for the probe: :meth:`VllmSampler.teacher_forced` (full-vocabulary post-temperature log-probs).
+Run config -> sampler: :func:`from_run_config` (per-rank seed, cache root inside the run directory).
+
 Engine settings (seed-learned, :func:`engine_kwargs`): on GPU no torch.compile (compilation mode 0) with CUDA graphs
 for decode only (FULL_DECODE_ONLY) and FlashAttention pinned; MTP speculation available but off by default; MTP
 together with prefix caching on a hybrid model rejected before any model loads (:func:`check_mtp_prefix_caching`).
@@ -97,6 +100,7 @@ def engine_kwargs(*, model: str, tokenizer: str | None, device: str, seed: int, 
         logprobs_mode="processed_logprobs",   # log-probs after temperature: what the trainer's replay computes
         generation_config="vllm",             # never inherit sampling defaults (top_k, ...) from the checkpoint
         enable_prefix_caching=bool(prefix_caching),  # explicit: vLLM turns it on by default, hybrid models included
+        max_logprobs=-1,                      # the teacher-forced probe reads full-vocabulary log-probs
         attention_backend=attention_backend or (GPU_ATTENTION_BACKEND if device == "cuda" else CPU_ATTENTION_BACKEND),
     )
     if device == "cuda":
@@ -149,6 +153,23 @@ def _field(obj, name: str, default=None):
     if isinstance(obj, dict):
         return obj.get(name, default)
     return getattr(obj, name, default)
+
+
+def sampler_settings(cfg, export_dir: str | Path, tok_dir: str | Path, run_dir: str | Path, rank: int = 0) -> dict:
+    """VllmSampler keyword arguments for a run config (``configs.schema.RunConfig``) on worker `rank`.
+
+    seed: derived from (run seed, "vllm", rank), so every rank samples its own random streams; cache root:
+    <run_dir>/cache/vllm; max_model_len: the longest turn the gym allows (question allowance 256 + token budget +
+    thoughts + 2), capped by the checkpoint's max_position_embeddings.
+    """
+    cfg_json = json.loads((Path(export_dir) / "config.json").read_text())
+    cfg_json = cfg_json.get("text_config", cfg_json)
+    need = 256 + cfg.gym.token_budget + cfg.latent.max_latent_steps + 2
+    max_pos = int(cfg_json.get("max_position_embeddings") or need)
+    h = hashlib.sha256(f"{cfg.seed}:vllm:{rank}".encode()).digest()
+    return dict(export_dir=str(export_dir), tok_dir=str(tok_dir), adapter=cfg.adapter,
+                seed=int.from_bytes(h[:4], "little") >> 1, max_model_len=min(need, max_pos),
+                cache_root=str(Path(run_dir) / "cache" / "vllm"), threads=cfg.threads or 1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -446,6 +467,7 @@ class VllmSampler:
         self.import_s = time.perf_counter() - t0
         set_threads, threads_before = torch.set_num_threads, torch.get_num_threads()
         rng = (torch.random.get_rng_state(), random.getstate(), _numpy_rng())
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         t0 = time.perf_counter()
         try:
             if self._dense is not None:
@@ -463,6 +485,8 @@ class VllmSampler:
             torch.random.set_rng_state(rng[0])
             random.setstate(rng[1])
             _numpy_rng(rng[2])
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
         self.start_s = time.perf_counter() - t0
         self.adapter_digest: str | None = None
         self.lora_request = None
@@ -534,6 +558,9 @@ class VllmSampler:
         """
         from vllm import SamplingParams
 
+        if not 0.01 <= float(temperature) <= 2.0:
+            raise ValueError(f"temperature {temperature}: vLLM samples at temperatures in [0.01, 2] (it rejects larger "
+                             "ones and silently raises smaller ones to 0.01, which would break log-prob parity)")
         B = len(prompt_embeds)
         caps = [max_new if limits is None else max(0, min(max_new, int(limits[i]))) for i in range(B)]
         ids: list[list[int]] = [[] for _ in range(B)]
@@ -567,19 +594,71 @@ class VllmSampler:
             lps[i] = [float(step[t].logprob) for t, step in zip(c.token_ids, c.logprobs)]
         return ids, lps
 
+    def teacher_forced(self, prompt_embeds: list[torch.Tensor], answers: list[list[int]],
+                       temperature: float) -> list[torch.Tensor]:
+        """Post-temperature log-softmax over the vocabulary at every answer position, teacher-forced: [(L_i, V)] fp32.
+
+        The probe's scoring with the current adapter: position j of answer i is one request whose prompt embeddings
+        are prompt_i ⊕ embed(a_1..a_{j-1}) (the checkpoint's embedding rows), sampling one token at `temperature`
+        with the full vocabulary's processed log-probs. L_i prefills per answer: meant for a few probe prompts.
+        """
+        from vllm import SamplingParams
+
+        if not 0.01 <= float(temperature) <= 2.0:
+            raise ValueError(f"temperature {temperature}: vLLM samples at temperatures in [0.01, 2]")
+        emb = self._embedding()
+        reqs, where = [], []
+        for i, (p, a) in enumerate(zip(prompt_embeds, answers)):
+            p = p.detach().to("cpu", torch.bfloat16)
+            for j in range(len(a)):
+                e = torch.cat([p, emb[torch.tensor(a[:j], dtype=torch.long)]], 0) if j else p
+                if e.shape[0] >= self.max_model_len:
+                    raise ValueError(f"answer {i}: position {j} exceeds max_model_len={self.max_model_len}")
+                reqs.append({"prompt_embeds": e})
+                where.append((i, j))
+        out = [torch.full((len(a), emb.shape[0]), float("-inf")) for a in answers]
+        if not reqs:
+            return out
+        params = SamplingParams(n=1, temperature=float(temperature), top_p=1.0, top_k=0, min_p=0.0, max_tokens=1,
+                                logprobs=-1, flat_logprobs=True, seed=0, ignore_eos=True, detokenize=False)
+        before = torch.get_num_threads()
+        if self.device != "cuda" and self.threads:
+            torch.set_num_threads(self.threads)
+        try:
+            res = self.llm.generate(reqs, params, use_tqdm=False, lora_request=self.lora_request)
+        finally:
+            if torch.get_num_threads() != before:
+                torch.set_num_threads(before)
+        for (i, j), o in zip(where, res):
+            lp = o.outputs[0].logprobs
+            lo, hi = lp.start_indices[0], lp.end_indices[0]
+            out[i][j, torch.tensor(lp.token_ids[lo:hi], dtype=torch.long)] = torch.tensor(lp.logprobs[lo:hi])
+        return out
+
+    def _embedding(self) -> torch.Tensor:
+        if getattr(self, "_emb", None) is None:
+            ckpt = self._dense.ckpt if self._dense is not None else _Checkpoint(self.export_dir)
+            self._emb = ckpt.tensor("model.embed_tokens.weight").to(torch.bfloat16)
+        return self._emb
+
     def close(self) -> None:
         """Stop the engine (tests; a worker restart)."""
         if self._dense is not None:
             self._dense.remove()
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
-            try:
-                llm.llm_engine.engine_core.shutdown()
-            except Exception:  # noqa: BLE001 - best effort on teardown
-                pass
+            llm.llm_engine.engine_core.shutdown()  # idempotent
         import gc
 
         gc.collect()
+
+
+def from_run_config(cfg, export_dir: str | Path, tok_dir: str | Path, run_dir: str | Path, rank: int = 0,
+                    **overrides) -> VllmSampler:
+    """The run's vLLM sampler on worker `rank` (see :func:`sampler_settings`); `overrides` win."""
+    kw = {**sampler_settings(cfg, export_dir, tok_dir, run_dir, rank), **overrides}
+    export = kw.pop("export_dir")
+    return VllmSampler(export, kw.pop("tok_dir"), **kw)
 
 
 def _numpy_rng(state=None):

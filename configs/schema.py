@@ -73,9 +73,15 @@ class LatentConfig(_Strict):
 
 
 class SamplerConfig(_Strict):
-    kind: Literal["hf", "vllm"] = "hf"
+    kind: Literal["hf", "vllm"] = Field("hf", description="hf: the project's HF engine; vllm: in-process vLLM "
+                                                          "(install with scripts/setup-vllm.sh)")
     temperature: float = Field(1.0, gt=0)
     max_answer_tokens: int = Field(48, ge=1)
+    mtp_tokens: int = Field(0, ge=0, description="vLLM: MTP speculative tokens from the checkpoint's own head; 0 = off")
+    prefix_caching: bool = Field(False, description="vLLM: cache prefixes (on hybrids: recurrent states at block "
+                                                    "boundaries, an experimental vLLM mode)")
+    attention_backend: str | None = Field(None, description="vLLM: pinned attention backend (None: FLASH_ATTN on "
+                                                            "GPU, CPU_ATTN on CPU)")
 
 
 class FaultConfig(_Strict):
@@ -225,10 +231,24 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _cross(self) -> "RunConfig":
-        if self.sampler.kind == "vllm":
+        s = self.sampler
+        if s.kind == "vllm":
+            if self.model.dtype != "bfloat16":
+                raise ValueError("sampler.kind=vllm samples in bf16 (vLLM's Gated DeltaNet kernels need it): set "
+                                 "model.dtype: bfloat16 so trainer and sampler compare like with like")
+            if not 0.01 <= s.temperature <= 2.0:
+                raise ValueError(f"sampler.temperature={s.temperature}: vLLM samples at temperatures in [0.01, 2] (it "
+                                 "rejects larger ones and silently raises smaller ones to 0.01)")
+        if s.mtp_tokens > 0 and s.prefix_caching and self.model_is_hybrid():
             raise ValueError(
-                "sampler.kind=vllm is not available in this build yet (tracked by the vLLM sampler issue); use `hf`"
-            )
+                "sampler.mtp_tokens > 0 together with sampler.prefix_caching is rejected on a hybrid (Gated DeltaNet + "
+                "attention) model: the prefix cache stores recurrent GDN states at block boundaries, and MTP verifies "
+                "draft tokens and rolls rejected ones back, so a later turn that reuses a cached prefix can start from "
+                "a recurrent state that does not match its tokens. Only the sampling log-probs show it, and in RL "
+                "they enter the gradient (the seed's 1-nat parity failures). Turn one of them off.")
+        if s.kind == "hf" and (s.mtp_tokens or s.prefix_caching or s.attention_backend):
+            raise ValueError("sampler.mtp_tokens / prefix_caching / attention_backend are vLLM engine settings; the "
+                             "hf sampler has none of them: remove them or set sampler.kind: vllm")
         if self.model.source == "pretrained" and not self.model.path:
             raise ValueError("model.source=pretrained needs model.path (a local checkpoint directory)")
         max_pos = self.model.arch.get("max_position_embeddings")
@@ -239,6 +259,11 @@ class RunConfig(_Strict):
         if self.model.quantization == "nf4" and self.model.dtype != "bfloat16":
             raise ValueError("model.quantization=nf4 computes in bf16: set model.dtype: bfloat16")
         return self
+
+    def model_is_hybrid(self) -> bool:
+        """Qwen3.5-family models are hybrids unless `arch.layer_types` lists no linear-attention layer."""
+        types = self.model.arch.get("layer_types")
+        return types is None or "linear_attention" in types
 
     def with_overrides(self, **dotted: Any) -> "RunConfig":
         """Return a copy with `a.b=value` overrides applied (validated again)."""

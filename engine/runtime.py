@@ -73,15 +73,46 @@ def trainer(cfg, base_dir: str | Path, tok_dir: str | Path) -> Engine:
     return _ENGINES[key]
 
 
-def sampler(cfg, export_dir: str | Path, tok_dir: str | Path) -> Engine:
-    """The HF sampler: its own copy of the base, loaded from the export stage's checkpoint."""
-    key = ("sampler", str(Path(export_dir).resolve()), cfg.adapter.model_dump_json(), cfg.model.dtype)
+@dataclass
+class VllmEngine:
+    """The vLLM sampler (``engine.vllm_sampler.VllmSampler``) behind the Engine interface the stages use."""
+
+    vllm: object
+    toks: M.Tokens
+
+    @property
+    def adapter_digest(self) -> str | None:
+        return self.vllm.adapter_digest
+
+    def use_adapter(self, adapter_dir: str | Path) -> None:
+        """Every rollout round: a new LoRARequest id per adapter version (exactly one active)."""
+        self.vllm.use_adapter(adapter_dir)
+
+
+def sampler(cfg, export_dir: str | Path, tok_dir: str | Path):
+    """The sampler engine: the HF engine on its own copy of the base (the export stage's checkpoint), or vLLM
+    loaded from that checkpoint (``sampler.kind: vllm``; its cache lives in the run directory <run>/export/..)."""
+    key = ("sampler", cfg.sampler.kind, str(Path(export_dir).resolve()), cfg.adapter.model_dump_json(),
+           cfg.model.dtype, cfg.sampler.model_dump_json())
     if key not in _ENGINES:
-        _ENGINES[key] = _build(export_dir, tok_dir, cfg)
+        if cfg.sampler.kind == "vllm":
+            from engine.vllm_sampler import from_run_config
+
+            run_dir = Path(export_dir).resolve().parents[1]  # <run>/export/<base hash>
+            s = cfg.sampler
+            _ENGINES[key] = VllmEngine(
+                from_run_config(cfg, export_dir, tok_dir, run_dir, prefix_caching=s.prefix_caching,
+                                mtp_tokens=s.mtp_tokens, attention_backend=s.attention_backend),
+                M.Tokens.of(tokenizer(tok_dir)))
+        else:
+            _ENGINES[key] = _build(export_dir, tok_dir, cfg)
     return _ENGINES[key]
 
 
 def clear() -> None:
     """Drop every engine of this process (tests; a worker restart)."""
+    for engine in _ENGINES.values():
+        if isinstance(engine, VllmEngine):
+            engine.vllm.close()
     _ENGINES.clear()
     _TOKENIZERS.clear()

@@ -109,6 +109,31 @@ def _analyse(cfg, trainer, sampler, fresh_t, fresh_s, cases: list[dict], gate_va
     return tokens, layers
 
 
+def _analyse_vllm(cfg, trainer, sampler, fresh_t, cases, gate_values):
+    """The vLLM sampler's isolated paths: teacher-forced alone and batched (its internals are not hookable)."""
+    from engine import diagnose as D
+    from engine import model as M
+
+    T = cfg.sampler.temperature
+    with torch.no_grad():
+        prompts = [M.prompt_embeddings(trainer.model, c["prefix"], c["thoughts"], trainer.toks) for c in cases]
+    batched = sampler.vllm.teacher_forced(prompts, [c["answer"] for c in cases], T)
+    tokens = []
+    for i, c in enumerate(cases):
+        p, z, a, j = c["prefix"], c["thoughts"], c["answer"], c["token"]
+        alone = sampler.vllm.teacher_forced([prompts[i]], [a], T)[0]
+        paths = {
+            "trainer/fresh": _token_lp(D.teacher_forced(fresh_t, [p], [z], [a], T, trainer.toks)[0], a, j),
+            "trainer/gate": gate_values[i][0],
+            "trainer/live-alone": _token_lp(D.teacher_forced(trainer.model, [p], [z], [a], T, trainer.toks)[0], a, j),
+            "sampler/rollout": gate_values[i][1],
+            "sampler/live-alone": _token_lp(alone, a, j),
+            "sampler/live-batched": _token_lp(batched[i], a, j),
+        }
+        tokens.append({**c["where"], "token_id": a[j], "paths": paths})
+    return tokens, {"layers": 0, "differing": 0, "first_differing": None, "note": "vLLM layers are not compared"}
+
+
 def diagnose(run_dir: str, step: int, gate: str, report: dict, adapter_in: str, base_in: str,
              rollouts_in: str | None = None) -> dict:
     """Rebuild the worst tokens of a failed gate (rollout-parity: from rollouts_in; teacher-forced-probe: the probe
@@ -146,10 +171,16 @@ def diagnose(run_dir: str, step: int, gate: str, report: dict, adapter_in: str, 
         if not cases:
             raise ValueError(f"gate {gate} report names no tokens to rebuild")
         fresh_t = _fresh(base_in, adapter_in, cfg.model.dtype)
-        fresh_s = _fresh(export, adapter_in, cfg.model.dtype)
-        tokens, layers = _analyse(cfg, trainer, sampler, fresh_t, fresh_s, cases, gate_values)
-        weights = adapter_weight_check(sampler.model, adapter_in)
-        weights.update(engine_digest=sampler.adapter_digest, step_digest=dir_digest(adapter_in))
+        step_digest = dir_digest(adapter_in)
+        if cfg.sampler.kind == "vllm":
+            tokens, layers = _analyse_vllm(cfg, trainer, sampler, fresh_t, cases, gate_values)
+            stale = sampler.adapter_digest != step_digest
+            weights = {"tensors": 1, "differing": int(stale), "examples": ["adapter version"] if stale else []}
+        else:
+            fresh_s = _fresh(export, adapter_in, cfg.model.dtype)
+            tokens, layers = _analyse(cfg, trainer, sampler, fresh_t, fresh_s, cases, gate_values)
+            weights = adapter_weight_check(sampler.model, adapter_in)
+        weights.update(engine_digest=sampler.adapter_digest, step_digest=step_digest)
         guilty: set[str] = set()
         verdicts = []
         for tk in tokens:

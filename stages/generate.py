@@ -76,11 +76,17 @@ def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in:
             z, logq = M.latent_loop(trainer.model, prefixes, K, sigma, trainer.scale, trainer.toks,
                                     generator(cfg.seed, step, turn, "latent"))
         with timer(out, "answers_s"):
-            prompts = [M.prompt_embeddings(sampler.model, p, z[i], sampler.toks) for i, p in enumerate(prefixes)]
-            with torch.no_grad():
-                ids, lps = M.sample_answers(sampler.model, prompts, cfg.sampler.max_answer_tokens,
-                                            cfg.sampler.temperature, sampler.toks, generator(cfg.seed, step, turn, "sampler"),
-                                            limits=limits)
+            if cfg.sampler.kind == "vllm":  # prompt embeddings from the trainer's table: the export's values
+                with torch.no_grad():
+                    prompts = [M.prompt_embeddings(trainer.model, p, z[i], trainer.toks) for i, p in enumerate(prefixes)]
+                ids, lps = sampler.vllm.sample(prompts, cfg.sampler.max_answer_tokens, cfg.sampler.temperature,
+                                               limits=limits, seed=seed_for(cfg.seed, step, turn, "sampler") % 2**31)
+            else:
+                prompts = [M.prompt_embeddings(sampler.model, p, z[i], sampler.toks) for i, p in enumerate(prefixes)]
+                with torch.no_grad():
+                    ids, lps = M.sample_answers(sampler.model, prompts, cfg.sampler.max_answer_tokens,
+                                                cfg.sampler.temperature, sampler.toks,
+                                                generator(cfg.seed, step, turn, "sampler"), limits=limits)
         tok = runtime.tokenizer(tok_dir)
         texts = [tok.decode(a[:-1] if a and a[-1] == trainer.toks.eos else a, skip_special_tokens=False) for a in ids]
         d = z.shape[-1]

@@ -6,11 +6,12 @@ determines them, so a second run with the same settings reuses them (and a chang
 
 from __future__ import annotations
 
+import hashlib
 import random
 import shutil
 from pathlib import Path
 
-from artifacts import RunDir, atomic_write, dir_digest, write_adapter_dir, write_json
+from artifacts import RunDir, atomic_write, dir_digest, sha256_file, write_adapter_dir, write_json
 from configs.schema import config_hash
 from engine.chat import episode_text, first_prompt, observation_block
 from stages.context import env_factory, run_config, timer
@@ -105,8 +106,21 @@ def bootstrap_base(run_dir: str, tok_dir: str) -> dict:
     set_threads(cfg.threads)
     out = {"stage": "bootstrap"}
     with timer(out):
-        if cfg.model.source == "pretrained":
-            out.update(path=str(Path(cfg.model.path).resolve()), cached=True)
+        if cfg.model.source == "pretrained":  # imported once as a sealed artifact (every reader verifies it)
+            src = Path(cfg.model.path)
+            files = sorted(f for f in src.rglob("*") if f.is_file() and not f.name.endswith(".sha256"))
+            if not files:
+                raise FileNotFoundError(f"model.path {src} holds no files: give a local checkpoint directory")
+            h = hashlib.sha256()
+            for f in files:
+                h.update(f.relative_to(src).as_posix().encode() + b"\0" + sha256_file(f).encode())
+            target = RunDir(run_dir).bootstrap_dir("pretrained-" + h.hexdigest()[:16])
+            cached = target.exists()
+            if cached:
+                dir_digest(target)
+            else:
+                _seal_dir(src, target)
+            out.update(path=str(target), cached=cached, source=str(src.resolve()))
             return out
         tok = tokenizer(tok_dir)
         key = config_hash(cfg, "model", "bootstrap", "latent", "gym", "tokenizer")[:12] + "-" + dir_digest(tok_dir)[:8]
@@ -116,7 +130,9 @@ def bootstrap_base(run_dir: str, tok_dir: str) -> dict:
             out.update(path=str(target), cached=True)
             return out
         toks = M.Tokens.of(tok)
-        model = M.build_random_model(cfg.model.arch, len(tok), toks.pad, toks.eos, cfg.model.init_seed, cfg.model.dtype)
+        # the warm start trains in FP32 whatever the run computes in (bf16 training on a CPU is slow and coarse);
+        # engines load the checkpoint in model.dtype, and the export casts it once for the sampler
+        model = M.build_random_model(cfg.model.arch, len(tok), toks.pad, toks.eos, cfg.model.init_seed, "float32")
         losses = []
         if cfg.bootstrap.enabled:
             losses = _supervised(cfg, model, tok, toks)

@@ -39,7 +39,9 @@ def test_unknown_key_is_rejected_with_its_path(tmp_path):
     ({"grpo.loss_type": "cispo"}, "epsilon_high"),
     ({"steps.pattern": ["reuse", "fresh"]}, "must start with `fresh`"),
     ({"adapter.targets": ["conv1d"]}, "conv1d"),
-    ({"sampler.kind": "vllm"}, "use `hf`"),
+    ({"sampler.kind": "vllm"}, "set model.dtype: bfloat16"),
+    ({"sampler.kind": "vllm", "model.dtype": "bfloat16", "sampler.temperature": 2.5}, r"\[0.01, 2\]"),
+    ({"sampler.mtp_tokens": 2}, "vLLM engine settings"),
     ({"model.quantization": "nf4"}, "bfloat16"),
     ({"model.source": "pretrained"}, "model.path"),
 ])
@@ -72,3 +74,24 @@ def test_configs_and_flows_import_without_torch():
             "assert 'torch' not in sys.modules, 'torch was imported'")
     res = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
+
+
+def test_mtp_with_prefix_caching_on_a_hybrid_is_rejected_before_any_model_loads():
+    """The seeds' rule: checked by the schema (no torch, no vLLM import, nothing loaded)."""
+    import subprocess
+    import sys
+
+    vllm = {"sampler.kind": "vllm", "model.dtype": "bfloat16"}
+    with pytest.raises(ConfigError, match="rejected on a hybrid .*Turn one of them off"):
+        load_config("tiny", {**vllm, "sampler.mtp_tokens": 2, "sampler.prefix_caching": True})
+    assert load_config("tiny", {**vllm, "sampler.mtp_tokens": 2}).sampler.mtp_tokens == 2  # MTP alone: allowed
+    assert load_config("tiny", {**vllm, "sampler.prefix_caching": True}).sampler.prefix_caching  # caching alone
+    # a model without linear-attention layers is not a hybrid: the combination is allowed there
+    dense = load_config("tiny", {**vllm, "sampler.mtp_tokens": 2, "sampler.prefix_caching": True,
+                                 "model.arch.layer_types": ["full_attention"] * 4})
+    assert not dense.model_is_hybrid()
+    code = ("import sys; from configs.schema import load_config, ConfigError\n"
+            "try:\n load_config('tiny', {'sampler.kind': 'vllm', 'model.dtype': 'bfloat16', 'sampler.mtp_tokens': 1,"
+            " 'sampler.prefix_caching': True})\nexcept ConfigError: pass\n"
+            "assert not {'torch', 'vllm'} & set(sys.modules), 'the guard must not import torch or vllm'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=__file__.rsplit("/tests/", 1)[0])

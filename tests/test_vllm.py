@@ -518,3 +518,76 @@ def test_dense_lora_path_parity(tiny, lora, capsys):
         assert report["tokens"] >= 500 and report["passed"] and report["max_gap"] <= 1.0
     finally:
         s.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the pipeline with `sampler.kind: vllm`: generate-turn samples through vLLM, replay gates it
+
+
+def _peaked_checkpoint(run_root: Path) -> Path:
+    """A bf16 tiny hybrid whose answer distributions are peaked (final norm scaled), with a tokenizer trained on the
+    table gym's oracle text: a stand-in for a pretrained base, so parity compares meaningful probabilities."""
+    from configs.schema import load_config
+    from engine import model as M
+    from engine.chat import episode_text
+    from engine.tokenizer import load_tokenizer, train_tokenizer
+    from gym import TableGym
+
+    path = run_root / "pretrained"
+    env = TableGym(max_turns=5, table_size=4, max_value=20, ops=["plus"])
+    corpus = []
+    for task in env.sample_tasks(400, seed=1):
+        q, answers, obs = env.reset(task), env.oracle_answers(task), []
+        for a in answers:
+            res = env.step(a)
+            if not res.done:
+                obs.append(res.observation)
+        corpus.append(episode_text(q, answers, obs))
+    train_tokenizer(corpus, 512, path)
+    tok = load_tokenizer(path)
+    toks = M.Tokens.of(tok)
+    model = M.build_random_model(load_config("tiny").model.arch, len(tok), toks.pad, toks.eos, seed=0, dtype="bfloat16")
+    with torch.no_grad():
+        model.model.norm.weight.fill_(3.0)
+    model.save_pretrained(path)
+    return path
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_pipeline_step_with_vllm_passes_parity_and_a_skipped_reload_fails_it(tmp_path, monkeypatch):
+    """`sampler.kind: vllm` through the stages: generate-turn samples with vLLM, replay's rollout parity gate passes;
+    then the adapter moves but the sampler's reload is skipped: the gate fails and the diagnostic names the sampler's
+    adapter."""
+    from artifacts import RunDir, read_adapter_dir, read_json, write_adapter_dir
+    from engine import runtime
+    from engine.gates import GateFailed
+    from stages.diagnose import diagnose
+    from tests.conftest import make_run
+    from tests.test_gates import _fresh_step
+
+    runtime.clear()
+    ckpt = _peaked_checkpoint(tmp_path)
+    run_dir = make_run(tmp_path / "run", **{"sampler.kind": "vllm", "model.dtype": "bfloat16",
+                                             "model.source": "pretrained", "model.path": str(ckpt),
+                                             "tokenizer.path": str(ckpt), "steps.pattern": ["fresh"],
+                                             "grpo.groups_per_step": 4})
+    first = _fresh_step(run_dir, 0, f"{run_dir}/adapter-init")
+    report = read_json(RunDir(run_dir).parity(0))
+    print(f"\npipeline vLLM step 0: {report['tokens_considered']} of {report['tokens']} tokens considered, mean gap "
+          f"{report['mean_gap']:.4f}, max {report['max_gap']:.3f}")
+    assert report["passed"] and report["tokens_considered"] > 50
+    config, tensors = read_adapter_dir(f"{run_dir}/adapter-init")  # the next adapter: one (large) update later
+    g = torch.Generator().manual_seed(0)
+    moved = {k: (torch.randn(v.shape, generator=g) * 0.1 if "lora_B" in k else v) for k, v in tensors.items()}
+    adapter1 = str(tmp_path / "adapter-1")
+    write_adapter_dir(adapter1, config, moved)
+    monkeypatch.setattr(runtime.VllmEngine, "use_adapter", lambda self, adapter_dir: None)  # the reload is skipped
+    with pytest.raises(GateFailed) as err:
+        _fresh_step(run_dir, 1, adapter1)
+    print(f"stale sampler: mean gap {err.value.report['mean_gap']:.3f}")
+    assert err.value.gate == "rollout-parity" and err.value.report["mean_gap"] > 0.1
+    d = diagnose(run_dir, 1, "rollout-parity", err.value.report, adapter1, first["base"],
+                 f"{run_dir}/step-0001/rollouts.arrow")
+    assert d["verdict"].startswith("sampler engine adapter weights"), d["verdict"]
+    runtime.clear()

@@ -45,7 +45,7 @@ import time
 
 import torch
 
-from engine.model import Tokens, _parts, gaussian_logq, left_pad, thought_mean
+from engine.model import Tokens, _parts, gaussian_logq, left_pad, sampling_loop, thought_mean
 
 LINEAR, ATTN = "linear_attention", "full_attention"
 
@@ -739,26 +739,8 @@ class GraphedDecoder(_StaticDecoder):
         return self.frozen if self.frozen is not None else _Null()
 
     def _loop(self, key, max_new: int, toks: Tokens, gen: torch.Generator, limits):
-        B = self.cache.B
-        ids: list[list[int]] = [[] for _ in range(B)]
-        lps: list[list[float]] = [[] for _ in range(B)]
-        cap = [max_new if limits is None else max(0, min(max_new, int(limits[i]))) for i in range(B)]
-        live = torch.tensor([c > 0 for c in cap], dtype=torch.bool)
-        for n in range(max_new):
-            if not live.any():
-                break
-            logp = self.logp
-            nxt = torch.multinomial(logp.exp().to(gen.device), 1, generator=gen)[:, 0]
-            nxt_dev = nxt.to(self.dev)
-            chosen = logp.gather(1, nxt_dev[:, None])[:, 0].cpu()
-            nxt = nxt.cpu()
-            for i in range(B):
-                if live[i]:
-                    ids[i].append(int(nxt[i]))
-                    lps[i].append(float(chosen[i]))
-            live &= (nxt != toks.eos) & torch.tensor([n + 1 < c for c in cap], dtype=torch.bool)
-            if not live.any():
-                break
-            self.ids.copy_(nxt_dev[:, None])
+        def feed(nxt: torch.Tensor) -> None:
+            self.ids.copy_(nxt.to(self.dev)[:, None])
             self._run_step(key)
-        return ids, lps
+
+        return sampling_loop(lambda: self.logp, feed, self.cache.B, max_new, toks, gen, limits)

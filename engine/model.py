@@ -230,6 +230,27 @@ def sample_answers(model, prompts: list[torch.Tensor], max_new: int, temperature
     x, mask, pos = left_pad(prompts)
     cache = DynamicCache(config=text.config)
     h = text(inputs_embeds=x, attention_mask=mask, position_ids=pos, **cache_kw(cache), use_cache=True).last_hidden_state[:, -1]
+    state = {"h": h, "mask": mask, "pos": pos}
+
+    def next_logp() -> torch.Tensor:
+        return torch.log_softmax(head(state["h"]).float() / temperature, -1)
+
+    def feed(nxt: torch.Tensor) -> None:
+        state["mask"] = torch.cat([state["mask"], state["mask"].new_ones(B, 1)], 1)
+        state["pos"] = state["pos"][:, -1:] + 1
+        state["h"] = text(inputs_embeds=emb(nxt[:, None]), attention_mask=state["mask"], position_ids=state["pos"],
+                          **cache_kw(cache), use_cache=True).last_hidden_state[:, -1]
+
+    return sampling_loop(next_logp, feed, B, max_new, toks, gen, limits)
+
+
+def sampling_loop(next_logp, feed, B: int, max_new: int, toks: Tokens, gen: torch.Generator,
+                  limits: list[int] | None = None) -> tuple[list[list[int]], list[list[float]]]:
+    """Answer sampling shared by every decoder (HF eager, prefix-cached, CUDA-graphed).
+
+    ``next_logp()`` gives the (B, V) post-temperature log-softmax of the next token on any device; ``feed(nxt)``
+    advances the decoder by the sampled tokens (a CPU tensor). Every row draws from ``gen`` at every step while any
+    row is live; a row stops after <|im_end|> (kept), after ``max_new`` or after ``limits[i]`` tokens."""
     ids: list[list[int]] = [[] for _ in range(B)]
     lps: list[list[float]] = [[] for _ in range(B)]
     cap = [max_new if limits is None else max(0, min(max_new, int(limits[i]))) for i in range(B)]
@@ -237,9 +258,10 @@ def sample_answers(model, prompts: list[torch.Tensor], max_new: int, temperature
     for n in range(max_new):
         if not live.any():
             break
-        logp = torch.log_softmax(head(h).float() / temperature, -1)  # (B, V)
-        nxt = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]  # (B,)
-        chosen = logp.gather(1, nxt[:, None])[:, 0]
+        logp = next_logp()
+        nxt = torch.multinomial(logp.exp().to(gen.device), 1, generator=gen)[:, 0]  # on the generator's device
+        chosen = logp.gather(1, nxt.to(logp.device)[:, None])[:, 0].cpu()
+        nxt = nxt.cpu()
         for i in range(B):
             if live[i]:
                 ids[i].append(int(nxt[i]))
@@ -247,10 +269,7 @@ def sample_answers(model, prompts: list[torch.Tensor], max_new: int, temperature
         live &= (nxt != toks.eos) & torch.tensor([n + 1 < c for c in cap], dtype=torch.bool)
         if not live.any():
             break
-        mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
-        pos = pos[:, -1:] + 1
-        h = text(inputs_embeds=emb(nxt[:, None]), attention_mask=mask, position_ids=pos, **cache_kw(cache),
-                 use_cache=True).last_hidden_state[:, -1]
+        feed(nxt)
     return ids, lps
 
 

@@ -41,7 +41,7 @@ from typing import Sequence
 
 import torch
 
-from engine.model import Tokens, _parts, cache_kw, gaussian_logq, thought_mean
+from engine.model import Tokens, _parts, cache_kw, gaussian_logq, sampling_loop, thought_mean
 
 LINEAR, ATTN = "linear_attention", "full_attention"
 
@@ -453,23 +453,13 @@ def sample_answers_cached(model, prefixes: list[list[int]], thoughts: torch.Tens
                    thoughts.to(device=dev, dtype=dtype),
                    emb(torch.full((B, 1), toks.answer_open, dtype=torch.long, device=dev))], 1)
     h, mask, pos = _decode_step(text, x, kv, mask, pos)
-    ids: list[list[int]] = [[] for _ in range(B)]
-    lps: list[list[float]] = [[] for _ in range(B)]
-    cap = [max_new if limits is None else max(0, min(max_new, int(limits[i]))) for i in range(B)]
-    live = torch.tensor([c > 0 for c in cap], dtype=torch.bool)
-    for n in range(max_new):
-        if not live.any():
-            break
-        logp = torch.log_softmax(head(h).float() / temperature, -1)  # (B, V)
-        nxt = torch.multinomial(logp.exp().to(gen.device), 1, generator=gen)[:, 0]  # (B,) on the generator's device
-        chosen = logp.gather(1, nxt.to(dev)[:, None])[:, 0].cpu()
-        nxt = nxt.cpu()
-        for i in range(B):
-            if live[i]:
-                ids[i].append(int(nxt[i]))
-                lps[i].append(float(chosen[i]))
-        live &= (nxt != toks.eos) & torch.tensor([n + 1 < c for c in cap], dtype=torch.bool)
-        if not live.any():
-            break
-        h, mask, pos = _decode_step(text, emb(nxt.to(dev)[:, None]), kv, mask, pos)
-    return ids, lps
+    state = {"h": h, "mask": mask, "pos": pos}
+
+    def next_logp() -> torch.Tensor:
+        return torch.log_softmax(head(state["h"]).float() / temperature, -1)
+
+    def feed(nxt: torch.Tensor) -> None:
+        state["h"], state["mask"], state["pos"] = _decode_step(text, emb(nxt.to(dev)[:, None]), kv, state["mask"],
+                                                               state["pos"])
+
+    return sampling_loop(next_logp, feed, B, max_new, toks, gen, limits)

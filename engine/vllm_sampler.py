@@ -584,7 +584,7 @@ class VllmSampler:
         if self.device != "cuda" and self.threads:
             torch.set_num_threads(self.threads)
         try:
-            outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
+            outs = self._generate(prompts, params)
         finally:
             if torch.get_num_threads() != before:
                 torch.set_num_threads(before)
@@ -619,13 +619,15 @@ class VllmSampler:
         out = [torch.full((len(a), emb.shape[0]), float("-inf")) for a in answers]
         if not reqs:
             return out
+        # no seed: only the processed log-probs are used, and a seeded request that vLLM prefills in chunks makes its
+        # CPU worker rewind the request's generator, which CPU generators cannot do ("does not use offset")
         params = SamplingParams(n=1, temperature=float(temperature), top_p=1.0, top_k=0, min_p=0.0, max_tokens=1,
-                                logprobs=-1, flat_logprobs=True, seed=0, ignore_eos=True, detokenize=False)
+                                logprobs=-1, flat_logprobs=True, ignore_eos=True, detokenize=False)
         before = torch.get_num_threads()
         if self.device != "cuda" and self.threads:
             torch.set_num_threads(self.threads)
         try:
-            res = self.llm.generate(reqs, params, use_tqdm=False, lora_request=self.lora_request)
+            res = self._generate(reqs, [params] * len(reqs))
         finally:
             if torch.get_num_threads() != before:
                 torch.set_num_threads(before)
@@ -634,6 +636,24 @@ class VllmSampler:
             lo, hi = lp.start_indices[0], lp.end_indices[0]
             out[i][j, torch.tensor(lp.token_ids[lo:hi], dtype=torch.long)] = torch.tensor(lp.logprobs[lo:hi])
         return out
+
+    PREFILL_TOKENS_PER_CALL = 2048  # below vLLM's per-step token budget (4096): every prompt prefills in one piece
+
+    def _generate(self, prompts: list[dict], params: list) -> list:
+        """``llm.generate`` in groups whose prompts fit one scheduler step together, so no request is prefilled in
+        chunks (vLLM 0.32's CPU worker then rewinds seeded generators, which CPU generators reject); per-request seeds
+        make the results independent of the grouping."""
+        outs, start = [], 0
+        while start < len(prompts):
+            end, total = start, 0
+            while end < len(prompts) and (end == start or
+                                          total + prompts[end]["prompt_embeds"].shape[0] <= self.PREFILL_TOKENS_PER_CALL):
+                total += prompts[end]["prompt_embeds"].shape[0]
+                end += 1
+            outs += self.llm.generate(prompts[start:end], params[start:end], use_tqdm=False,
+                                      lora_request=self.lora_request)
+            start = end
+        return outs
 
     def _embedding(self) -> torch.Tensor:
         if getattr(self, "_emb", None) is None:

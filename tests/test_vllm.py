@@ -500,6 +500,25 @@ def test_teacher_forced_scoring_matches_the_trainer(lora, tiny, capsys):
 
 @needs_vllm
 @pytest.mark.slow
+def test_teacher_forcing_more_positions_than_one_scheduler_step(lora, tiny):
+    """The probe's load: requests totalling far more than vLLM's 4096-token step budget. vLLM 0.32's CPU worker
+    crashed ("CPU Generator does not use offset") when it prefilled a seeded request in chunks; grouping the calls
+    keeps every prefill whole, and the result does not depend on the grouping. (Before the dense-path test: closing an
+    engine tears down vLLM's process-wide parallel state, which this module's `lora` engine shares.)"""
+    s, pm, toks = lora.s, lora.pm, tiny.toks
+    s.use_adapter(lora.a2)
+    _, _, prompts, _ = _turns(pm, toks, 8, 300)
+    answers = [list(range(20, 44))] * len(prompts)  # 8 prompts x 24 positions: ~8k prefill positions in all
+    together = s.teacher_forced(prompts, answers, TEMPERATURE)
+    alone = [s.teacher_forced([p], [a], TEMPERATURE)[0] for p, a in zip(prompts[:2], answers[:2])]
+    assert all(torch.equal(x, y) for x, y in zip(together[:2], alone))
+    ids, lps = s.sample(prompts * 8, 4, TEMPERATURE, seed=5)  # 64 seeded rows, ~20k prompt positions
+    again, lps2 = s.sample(prompts * 8, 4, TEMPERATURE, seed=5)
+    assert ids == again and lps == lps2
+
+
+@needs_vllm
+@pytest.mark.slow
 def test_dense_lora_path_parity(tiny, lora, capsys):
     """adapter_path="dense": LoRA through the same hooks as DoRA (FP32 LoRA term, one rounding), no LoRARequest."""
     from artifacts import read_adapter_dir
@@ -521,7 +540,8 @@ def test_dense_lora_path_parity(tiny, lora, capsys):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the pipeline with `sampler.kind: vllm`: generate-turn samples through vLLM, replay gates it
+# the pipeline with `sampler.kind: vllm`: generate-turn samples through vLLM, replay gates it. Keep it last: closing
+# its engines (runtime.clear) tears down vLLM's process-wide parallel state, which the module's fixture engines share
 
 
 def _peaked_checkpoint(run_root: Path) -> Path:
@@ -592,20 +612,3 @@ def test_pipeline_step_with_vllm_passes_parity_and_a_skipped_reload_fails_it(tmp
     assert d["verdict"].startswith("sampler engine adapter weights"), d["verdict"]
     runtime.clear()
 
-
-@needs_vllm
-@pytest.mark.slow
-def test_teacher_forcing_more_positions_than_one_scheduler_step(lora, tiny):
-    """The probe's load: requests totalling far more than vLLM's 4096-token step budget. vLLM 0.32's CPU worker
-    crashed ("CPU Generator does not use offset") when it prefilled a seeded request in chunks; grouping the calls
-    keeps every prefill whole, and the result does not depend on the grouping."""
-    s, pm, toks = lora.s, lora.pm, tiny.toks
-    s.use_adapter(lora.a2)
-    _, _, prompts, _ = _turns(pm, toks, 8, 300)
-    answers = [list(range(20, 44))] * len(prompts)  # 8 prompts x 24 positions: ~8k prefill positions in all
-    together = s.teacher_forced(prompts, answers, TEMPERATURE)
-    alone = [s.teacher_forced([p], [a], TEMPERATURE)[0] for p, a in zip(prompts[:2], answers[:2])]
-    assert all(torch.equal(x, y) for x, y in zip(together[:2], alone))
-    ids, lps = s.sample(prompts * 8, 4, TEMPERATURE, seed=5)  # 64 seeded rows, ~20k prompt positions
-    again, lps2 = s.sample(prompts * 8, 4, TEMPERATURE, seed=5)
-    assert ids == again and lps == lps2

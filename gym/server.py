@@ -464,7 +464,7 @@ class ToolServer:
                     continue
                 try:
                     self._httpd.process_request(conn, addr)  # ThreadingMixIn: a thread per connection
-                except Exception:
+                except (OSError, RuntimeError):  # no thread could be started for it
                     self._httpd.handle_error(conn, addr)
                     self._httpd.shutdown_request(conn)
 

@@ -398,15 +398,31 @@ def read_json(path: PathLike) -> Any:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
-def append_jsonl(path: PathLike, obj: Any) -> None:
+def append_jsonl(path: PathLike, obj: Any, replace: str | None = None) -> None:
     """Append one JSON object as one line to a history file, then fsync.
 
     History files have no sidecar (they grow in place). Refuses to append after a torn last line
     (a crash mid-append) so that a bad record is never buried in the middle of the file.
+
+    ``replace="step"``: a record with the same ``obj["step"]`` already in the file is dropped first (the file is
+    rewritten atomically without it), so re-running or resuming a step keeps one record per step, the latest.
     """
     p = Path(path)
     line = (dumps_json(obj, indent=None) + "\n").encode()
     p.parent.mkdir(parents=True, exist_ok=True)
+    if replace is not None and p.is_file():
+        old = read_jsonl(p)
+        kept = [r for r in old if not (isinstance(r, dict) and r.get(replace) == obj[replace])]
+        if len(kept) != len(old):
+            body = b"".join((dumps_json(r, indent=None) + "\n").encode() for r in kept) + line
+            tmp = _temp_path(p)
+            try:
+                _write_bytes_synced(tmp, body)
+                os.replace(tmp, p)
+            finally:
+                tmp.unlink(missing_ok=True)
+            _fsync_dir(p.parent)
+            return
     with open(p, "ab+") as f:
         if f.tell() > 0:
             f.seek(-1, os.SEEK_END)

@@ -145,7 +145,7 @@ def publish(run_dir: str, step: int, kind: str, summaries: list[dict]) -> dict:
     metrics.update(loss=o["loss"], grad_norm=o["grad_norm"], signal=o["signal"], live_graph=o.get("live_graph"))
     write_json(rd.timings(step), ph)
     write_json(rd.metrics(step), metrics)
-    append_jsonl(rd.metrics_history(), metrics | {"phases": ph})
+    append_jsonl(rd.metrics_history(), metrics | {"phases": ph}, replace="step")
     create_table_artifact(
         key=f"step-{step:04d}-timings",
         table=[{"phase": k, "seconds": v} for k, v in ph.items()],

@@ -133,7 +133,7 @@ def probe(run_dir: str, step: int, adapter_in: str, export_in: str, base_in: str
         report["passed"] = not problems
         step_path = rd.step_dir(step) / "probe.json"
         write_json(step_path, report)
-        append_jsonl(rd.root / "probe_history.jsonl", report)
+        append_jsonl(rd.root / "probe_history.jsonl", report, replace="step")
         out.update(path=str(step_path), **{k: report[k] for k in ("argmax_agreement", "mean_gap", "max_gap", "passed")})
         if problems:
             raise GateFailed("teacher-forced-probe", "; ".join(problems), report)

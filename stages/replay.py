@@ -67,7 +67,7 @@ def replay(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: 
                 token_max=cfg.gates.parity_token_max, min_prob=cfg.gates.parity_min_prob)
             report.update(step=step, kind="fresh", gated=True)
             write_json(rd.parity(step), report)
-            append_jsonl(rd.parity_history(), report | {"masked": len(report["masked_tokens"])})
+            append_jsonl(rd.parity_history(), report | {"masked": len(report["masked_tokens"])}, replace="step")
             gates.check_parity(report)
             out.update(parity_mean=report["mean_gap"], parity_max=report["max_gap"], masked=len(report["masked_tokens"]))
         else:
@@ -78,7 +78,7 @@ def replay(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: 
                 token_max=cfg.gates.parity_token_max, min_prob=cfg.gates.parity_min_prob)
             report.update(step=step, kind="reuse", gated=False, passed=None)
             write_json(rd.parity(step), report)
-            append_jsonl(rd.parity_history(), report | {"masked": len(report["masked_tokens"])})
+            append_jsonl(rd.parity_history(), report | {"masked": len(report["masked_tokens"])}, replace="step")
             out.update(drift_mean=report["mean_gap"], drift_max=report["max_gap"])
             keep = [[True] * len(x) for x in trainer_lp]
         path = str(rd.replay(step))

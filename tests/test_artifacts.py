@@ -149,6 +149,13 @@ def test_json_round_trip_and_jsonl(tmp_path: Path) -> None:
     assert [json.loads(line)["step"] for line in lines] == [1, 2]
     assert read_jsonl(history)[1]["note"] == "line\nbreak"
 
+    # re-running step 1 (a resumed run) replaces its record instead of adding a second one; order is kept
+    append_jsonl(history, {"step": 1, "max_abs": 0.5}, replace="step")
+    append_jsonl(history, {"step": 4, "max_abs": 0.25}, replace="step")
+    assert [(r["step"], r["max_abs"]) for r in read_jsonl(history)] == [(2, 1e-7), (1, 0.5), (4, 0.25)]
+    assert not list(tmp_path.glob("*.tmp*"))
+    history.write_text("".join(json.dumps({"step": s}) + "\n" for s in (0, 1)))
+
     with open(history, "ab") as f:  # a crash mid-append leaves a torn last line
         f.write(b'{"step": 3, "max')
     with pytest.raises(ArtifactError, match=r"parity_history\.jsonl.*incomplete"):

@@ -84,6 +84,17 @@ class SamplerConfig(_Strict):
                                                             "GPU, CPU_ATTN on CPU)")
 
 
+class GenerationConfig(_Strict):
+    """The generation fast path: prefix cache (CPU and GPU) and CUDA graphs (GPU)."""
+
+    prefix_cache: bool = Field(
+        True, description="per-row model states (attention K/V and GDN conv/recurrent states) keyed by token prefix: "
+                          "a group's shared prompt and each turn's earlier tokens are computed once")
+    prefix_cache_mb: int = Field(2048, ge=1, description="memory bound of each engine's prefix cache (LRU eviction)")
+    cuda_graphs: bool = Field(True, description="device=cuda: latent loop and hf-sampler decode on a static cache "
+                                                "with CUDA-graph replay (ignored on the CPU)")
+
+
 class FaultConfig(_Strict):
     """Fault injection in the project's tool server (tests and drills; off by default)."""
 
@@ -217,11 +228,13 @@ class RunConfig(_Strict):
     seed: int = 0
     run_dir: str = "runs/tiny"
     threads: int | None = Field(None, description="torch threads; None = all cores")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="where the trainer and the hf sampler run")
     model: ModelConfig = ModelConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
     adapter: AdapterConfig = AdapterConfig()
     latent: LatentConfig = LatentConfig()
     sampler: SamplerConfig = SamplerConfig()
+    generation: GenerationConfig = GenerationConfig()
     gym: GymConfig = GymConfig()
     bootstrap: BootstrapConfig = BootstrapConfig()
     grpo: GRPOConfig = GRPOConfig()
@@ -258,6 +271,9 @@ class RunConfig(_Strict):
                 f"model.arch.max_position_embeddings={max_pos}: lower the budget to at most {int(max_pos) - 256}")
         if self.model.quantization == "nf4" and self.model.dtype != "bfloat16":
             raise ValueError("model.quantization=nf4 computes in bf16: set model.dtype: bfloat16")
+        if self.model.quantization == "nf4" and self.device != "cuda":
+            raise ValueError("model.quantization=nf4 runs through bitsandbytes' CUDA kernels: set device: cuda "
+                             "(the CPU path keeps a bf16 or fp32 base)")
         return self
 
     def model_is_hybrid(self) -> bool:

@@ -37,7 +37,7 @@ def cached_decode(model, prefix: list[int], thoughts: torch.Tensor, answer: list
     x = M.prompt_embeddings(model, prefix, thoughts, toks)[None]
     n = x.shape[1]
     cache = DynamicCache(config=text.config)
-    pos = torch.arange(n)[None]
+    pos = torch.arange(n, device=x.device)[None]
     h = text(inputs_embeds=x, position_ids=pos, **M.cache_kw(cache), use_cache=True).last_hidden_state[:, -1]
     out = []
     for i, tok in enumerate(answer):
@@ -45,8 +45,30 @@ def cached_decode(model, prefix: list[int], thoughts: torch.Tensor, answer: list
         if i == len(answer) - 1:
             break
         pos = pos[:, -1:] + 1
-        h = text(inputs_embeds=emb(torch.tensor([[tok]])), position_ids=pos, **M.cache_kw(cache),
+        h = text(inputs_embeds=emb(torch.tensor([[tok]], device=x.device)), position_ids=pos, **M.cache_kw(cache),
                  use_cache=True).last_hidden_state[:, -1]
+    return torch.stack(out)
+
+
+@torch.no_grad()
+def prefix_cached_decode(model, prefix: list[int], thoughts: torch.Tensor, answer: list[int], temperature: float,
+                         toks: M.Tokens, cache) -> torch.Tensor:
+    """The sampler's prefix-cached path (engine.prefix_cache), teacher-forced: the prefix restored from / prefilled
+    into `cache` (None: computed alone), <think> ⊕ z ⊕ </think> as one chunk, then the answer tokens. (L, V)."""
+    from engine import prefix_cache as PC
+
+    text, head, emb = M._parts(model)
+    dev = emb.weight.device
+    kv, mask, pos = PC.stack_rows(PC.prefill_rows(model, [prefix], cache))
+    x = torch.cat([emb(torch.tensor([[toks.think]], device=dev)), thoughts.to(device=dev, dtype=emb.weight.dtype)[None],
+                   emb(torch.tensor([[toks.answer_open]], device=dev))], 1)
+    h, mask, pos = PC._decode_step(text, x, kv, mask, pos)
+    out = []
+    for i, tok in enumerate(answer):
+        out.append(torch.log_softmax(head(h).float() / temperature, -1)[0])
+        if i == len(answer) - 1:
+            break
+        h, mask, pos = PC._decode_step(text, emb(torch.tensor([[tok]], device=dev)), kv, mask, pos)
     return torch.stack(out)
 
 

@@ -74,7 +74,7 @@ def attach_adapter(model, adapter_cfg):
 def adapter_state(peft_model) -> dict[str, torch.Tensor]:
     from peft import get_peft_model_state_dict
 
-    return {k: v.detach().clone().contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
+    return {k: v.detach().cpu().clone().contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
 
 
 def load_adapter_state(peft_model, tensors: dict[str, torch.Tensor]) -> None:
@@ -121,7 +121,7 @@ def left_pad(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torc
     B, L = len(seqs), max(s.shape[0] for s in seqs)
     d = seqs[0].shape[1]
     x = seqs[0].new_zeros(B, L, d)
-    mask = torch.zeros(B, L, dtype=torch.long)
+    mask = torch.zeros(B, L, dtype=torch.long, device=x.device)
     for i, s in enumerate(seqs):
         x[i, L - s.shape[0]:] = s
         mask[i, L - s.shape[0]:] = 1
@@ -179,17 +179,17 @@ def latent_loop(model, prefixes: list[list[int]], K: int, sigma: float, scale: f
     text, _, emb = _parts(model)
     B = len(prefixes)
     d = emb.weight.shape[1]
-    dtype = emb.weight.dtype
+    dtype, dev = emb.weight.dtype, emb.weight.device
     if K == 0:
-        return torch.zeros(B, 0, d), torch.zeros(B, 0)
-    seqs = [emb(torch.tensor(p + [toks.think])) for p in prefixes]
+        return torch.zeros(B, 0, d, device=dev), torch.zeros(B, 0, device=dev)
+    seqs = [emb(torch.tensor(p + [toks.think], device=dev)) for p in prefixes]
     x, mask, pos = left_pad(seqs)
     cache = DynamicCache(config=text.config)
     h = text(inputs_embeds=x, attention_mask=mask, position_ids=pos, **cache_kw(cache), use_cache=True).last_hidden_state[:, -1]
     zs, lqs = [], []
     for k in range(K):
         mu = thought_mean(h, scale)  # (B, d)
-        eps = torch.randn(B, d, generator=gen)
+        eps = torch.randn(B, d, generator=gen, device=gen.device).to(dev)
         z = mu + sigma * eps
         zs.append(z)
         lqs.append(gaussian_logq(z, mu, sigma))
@@ -209,8 +209,9 @@ def latent_loop(model, prefixes: list[list[int]], K: int, sigma: float, scale: f
 def prompt_embeddings(model, prefix: list[int], thoughts: torch.Tensor, toks: Tokens) -> torch.Tensor:
     """embed(prefix ⊕ <think>) ⊕ z_1..z_K ⊕ embed(</think>)  -> (P + K + 2, d) in the model dtype."""
     _, _, emb = _parts(model)
-    head = emb(torch.tensor(prefix + [toks.think]))
-    tail = emb(torch.tensor([toks.answer_open]))
+    dev = emb.weight.device
+    head = emb(torch.tensor(prefix + [toks.think], device=dev))
+    tail = emb(torch.tensor([toks.answer_open], device=dev))
     return torch.cat([head, thoughts.to(head.dtype), tail], 0)
 
 
@@ -227,7 +228,7 @@ def sample_answers(model, prompts: list[torch.Tensor], max_new: int, temperature
 
     text, head, emb = _parts(model)
     B = len(prompts)
-    x, mask, pos = left_pad(prompts)
+    x, mask, pos = left_pad([p.to(emb.weight.device) for p in prompts])
     cache = DynamicCache(config=text.config)
     h = text(inputs_embeds=x, attention_mask=mask, position_ids=pos, **cache_kw(cache), use_cache=True).last_hidden_state[:, -1]
     state = {"h": h, "mask": mask, "pos": pos}
@@ -238,7 +239,7 @@ def sample_answers(model, prompts: list[torch.Tensor], max_new: int, temperature
     def feed(nxt: torch.Tensor) -> None:
         state["mask"] = torch.cat([state["mask"], state["mask"].new_ones(B, 1)], 1)
         state["pos"] = state["pos"][:, -1:] + 1
-        state["h"] = text(inputs_embeds=emb(nxt[:, None]), attention_mask=state["mask"], position_ids=state["pos"],
+        state["h"] = text(inputs_embeds=emb(nxt.to(x.device)[:, None]), attention_mask=state["mask"], position_ids=state["pos"],
                           **cache_kw(cache), use_cache=True).last_hidden_state[:, -1]
 
     return sampling_loop(next_logp, feed, B, max_new, toks, gen, limits)
@@ -283,14 +284,15 @@ def turn_hidden(model, prefixes: list[list[int]], thoughts: list[torch.Tensor], 
     embed(prefix ⊕ <think>) ⊕ z_1..z_K ⊕ embed(</think> ⊕ a_1..a_{L-1}) (one full forward, no cache)."""
     text, _, emb = _parts(model)
     K = thoughts[0].shape[0] if thoughts else 0
+    dev = emb.weight.device
     seqs = []
     for p, z, a in zip(prefixes, thoughts, answers):
         if z.shape[0] != K:
             raise ValueError("all turns of one scoring batch need the same number of thoughts")
-        head_ids = torch.tensor(p + [toks.think])
-        tail_ids = torch.tensor([toks.answer_open] + a[:-1])
+        head_ids = torch.tensor(p + [toks.think], device=dev)
+        tail_ids = torch.tensor([toks.answer_open] + a[:-1], device=dev)
         e_head, e_tail = emb(head_ids), emb(tail_ids)
-        seqs.append(torch.cat([e_head, z.to(e_head.dtype), e_tail], 0))
+        seqs.append(torch.cat([e_head, z.to(device=dev, dtype=e_head.dtype), e_tail], 0))
     x, mask, pos = left_pad(seqs)
     return text(inputs_embeds=x, attention_mask=mask, position_ids=pos).last_hidden_state
 
@@ -317,9 +319,9 @@ def score_turns(model, prefixes: list[list[int]], thoughts: list[torch.Tensor], 
         if K:
             t0 = S - L - 1 - K  # index of <think>
             mu = thought_mean(hid[i, t0:t0 + K], scale)  # (K, d)
-            logq.append(gaussian_logq(z.float(), mu, sigma))
+            logq.append(gaussian_logq(z.to(mu.device).float(), mu, sigma))
         logits = head(hid[i, start_ans:]).float() / temperature  # (L, V)
-        lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(a)[:, None])[:, 0]
+        lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(a, device=logits.device)[:, None])[:, 0]
         ans_lp.append(lp)
-    lq = torch.stack(logq) if K else torch.zeros(B, 0)
+    lq = torch.stack(logq) if K else torch.zeros(B, 0, device=hid.device)
     return ans_lp, lq

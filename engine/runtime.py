@@ -24,13 +24,28 @@ def set_threads(n: int | None) -> None:
 
 @dataclass
 class Engine:
-    """One model (base + adapter) with the adapter it currently holds."""
+    """One model (base + adapter) with the adapter it currently holds, and its generation fast path.
+
+    prefix_cache: per-row model states keyed by token prefix (engine.prefix_cache), valid for the adapter it was
+    filled with: switching adapters clears it (``use_weights``). An engine whose model holds exactly the same weights
+    and arithmetic as another (the hf sampler on an unquantized base: the export is the trainer's base in the same
+    dtype) shares that engine's cache. latent_graph / decoder_graph: the static-cache CUDA-graph loops (GPU only),
+    built on first use.
+    """
 
     model: object
     toks: M.Tokens
     scale: float
     adapter_digest: str | None = None
     live: dict = field(default_factory=dict)  # replay digest -> per-turn tensors with autograd graph
+    prefix_cache: object | None = None
+    graphs: bool = False
+    _latent_graph: object | None = None
+    _decoder_graph: object | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return M._parts(self.model)[2].weight.device
 
     def use_adapter(self, adapter_dir: str | Path) -> None:
         from artifacts import dir_digest, read_adapter_dir
@@ -41,6 +56,22 @@ class Engine:
             M.load_adapter_state(self.model, tensors)
             self.adapter_digest = digest
             self.live.clear()
+        if self.prefix_cache is not None:
+            self.prefix_cache.use_weights(digest)  # a cache filled under another adapter is dropped
+
+    def latent_graph(self):
+        if self._latent_graph is None:
+            from engine.cuda_graphs import GraphedLatentLoop
+
+            self._latent_graph = GraphedLatentLoop(self.model, graphed=self.graphs)
+        return self._latent_graph
+
+    def decoder_graph(self):
+        if self._decoder_graph is None:
+            from engine.cuda_graphs import GraphedDecoder
+
+            self._decoder_graph = GraphedDecoder(self.model, graphed=self.graphs)
+        return self._decoder_graph
 
 
 _ENGINES: dict[tuple, Engine] = {}
@@ -56,21 +87,46 @@ def tokenizer(tok_dir: str | Path):
     return _TOKENIZERS[key]
 
 
-def _build(model_dir: str | Path, tok_dir: str | Path, cfg) -> Engine:
+def _new_prefix_cache(cfg):
+    from engine.prefix_cache import PrefixCache
+
+    return PrefixCache(cfg.generation.prefix_cache_mb * 2**20) if cfg.generation.prefix_cache else None
+
+
+def _build(model_dir: str | Path, tok_dir: str | Path, cfg, quantization: str = "none") -> Engine:
     tok = tokenizer(tok_dir)
-    base = M.load_base(model_dir, cfg.model.dtype)
+    if quantization == "nf4":
+        from engine.nf4 import load_base_nf4
+
+        base = load_base_nf4(model_dir, device=cfg.device)
+    else:
+        base = M.load_base(model_dir, cfg.model.dtype).to(cfg.device)
     torch.manual_seed(cfg.seed)  # adapter init (overwritten by use_adapter anyway)
     model = M.attach_adapter(base, cfg.adapter)
     model.eval()
-    return Engine(model=model, toks=M.Tokens.of(tok), scale=M.embed_scale(model))
+    return Engine(model=model, toks=M.Tokens.of(tok), scale=M.embed_scale(model),
+                  graphs=cfg.device == "cuda" and cfg.generation.cuda_graphs)
 
 
 def trainer(cfg, base_dir: str | Path, tok_dir: str | Path) -> Engine:
-    """The policy the latent loop and replay run on: the base with FP32-master adapter weights."""
-    key = ("trainer", str(Path(base_dir).resolve()), cfg.adapter.model_dump_json(), cfg.model.dtype)
+    """The policy the latent loop and replay run on: the base (NF4 when configured) with FP32-master adapter
+    weights, on `cfg.device`."""
+    key = ("trainer", str(Path(base_dir).resolve()), cfg.adapter.model_dump_json(), cfg.model.dtype,
+           cfg.model.quantization, cfg.device, cfg.generation.model_dump_json())
     if key not in _ENGINES:
-        _ENGINES[key] = _build(base_dir, tok_dir, cfg)
+        _ENGINES[key] = _build(base_dir, tok_dir, cfg, cfg.model.quantization)
+        _ENGINES[key].prefix_cache = _new_prefix_cache(cfg)
     return _ENGINES[key]
+
+
+def sampler_prefix_cache(cfg, trainer: Engine, sampler: Engine):
+    """The prefix cache the hf sampler prefills through. It computes exactly what the trainer computes for a token
+    prefix (same weights, dtype and kernels) when the trainer's base is not NF4 and both hold the same adapter;
+    then the trainer's cache serves both (the group's prompt and earlier turns are computed once per round). A
+    sampler holding another adapter (a stale one) never reads the trainer's states: it keeps its own cache."""
+    if cfg.model.quantization == "none" and sampler.adapter_digest == trainer.adapter_digest:
+        return trainer.prefix_cache
+    return sampler.prefix_cache
 
 
 @dataclass
@@ -93,7 +149,7 @@ def sampler(cfg, export_dir: str | Path, tok_dir: str | Path):
     """The sampler engine: the HF engine on its own copy of the base (the export stage's checkpoint), or vLLM
     loaded from that checkpoint (``sampler.kind: vllm``; its cache lives in the run directory <run>/export/..)."""
     key = ("sampler", cfg.sampler.kind, str(Path(export_dir).resolve()), cfg.adapter.model_dump_json(),
-           cfg.model.dtype, cfg.sampler.model_dump_json())
+           cfg.model.dtype, cfg.sampler.model_dump_json(), cfg.device, cfg.generation.model_dump_json())
     if key not in _ENGINES:
         if cfg.sampler.kind == "vllm":
             from engine.vllm_sampler import from_run_config
@@ -106,6 +162,7 @@ def sampler(cfg, export_dir: str | Path, tok_dir: str | Path):
                 M.Tokens.of(tokenizer(tok_dir)))
         else:
             _ENGINES[key] = _build(export_dir, tok_dir, cfg)
+            _ENGINES[key].prefix_cache = _new_prefix_cache(cfg)
     return _ENGINES[key]
 
 

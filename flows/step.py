@@ -136,6 +136,12 @@ def publish(run_dir: str, step: int, kind: str, summaries: list[dict]) -> dict:
         metrics.update({k: c[k] for k in ("reward_mean", "reward_std", "completion_rate", "tool_error_rate",
                                           "mean_turns", "answer_tokens", "mean_tokens", "tool_token_share",
                                           "end_reasons", "transport_retries", "traces_verified")})
+    gens = [s for s in summaries if s["stage"] == "generate-turn" and "prefix_input_tokens" in s]
+    if gens:  # the prefix cache: prefix tokens asked for vs computed, over the step's turns and both engines
+        n_in = sum(s["prefix_input_tokens"] for s in gens)
+        n_comp = sum(s["prefix_computed_tokens"] for s in gens)
+        metrics.update(prefix_input_tokens=n_in, prefix_computed_tokens=n_comp,
+                       prefix_computed_share=round(n_comp / max(1, n_in), 4))
     if "replay" in by and "parity_mean" in by["replay"]:
         metrics.update(parity_mean=by["replay"]["parity_mean"], parity_max=by["replay"]["parity_max"],
                        parity_masked=by["replay"]["masked"])

@@ -22,14 +22,30 @@ def export_base(run_dir: str, base_dir: str) -> dict:
     out = {"stage": "export"}
     with timer(out):
         base_hash = dir_digest(base_dir)[:16]
-        target = RunDir(run_dir).export_dir(f"{base_hash}-{cfg.model.dtype}")
+        tag = "nf4-bf16" if cfg.model.quantization == "nf4" else cfg.model.dtype
+        target = RunDir(run_dir).export_dir(f"{base_hash}-{tag}")
         if target.exists():
             dir_digest(target)
             out.update(path=str(target), base_hash=base_hash, cached=True)
             return out
-        model = M.load_base(base_dir, cfg.model.dtype)
         scratch = target.with_name(target.name + ".build")
-        model.save_pretrained(scratch)
+        if scratch.exists():  # a crash mid-export left it
+            shutil.rmtree(scratch)
+        if cfg.model.quantization == "nf4":
+            # the trainer's own NF4 base (the engine the run trains): dequantize once, write, check bit for bit
+            from engine import nf4
+            from engine import runtime
+
+            trainer = runtime.trainer(cfg, base_dir, base_dir)
+            info = nf4.write_bf16_export(trainer.model, scratch)
+            check = nf4.verify_export(trainer.model, scratch)
+            if not check["equal"]:
+                raise RuntimeError(f"the BF16 export differs from the trainer's dequantized NF4 weights: mismatched "
+                                   f"{check['mismatched']}, missing {check['missing']}, extra {check['extra']}")
+            out.update(export_tensors=info["tensors"], export_quantized_checked=check["quantized"])
+        else:
+            model = M.load_base(base_dir, cfg.model.dtype)
+            model.save_pretrained(scratch)
         for f in Path(base_dir).iterdir():  # tokenizer files travel with the checkpoint
             if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
                 if not f.name.endswith(".sha256"):

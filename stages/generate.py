@@ -65,16 +65,23 @@ def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in:
         # an answer may use what is left of the episode's token budget, minus one for the <|im_end|> that closes it
         spent = (state.column("model_tokens").to_numpy() + state.column("tool_tokens").to_numpy()).tolist()
         limits = [max(1, cfg.gym.token_budget - int(spent[i]) - 1) for i in active]
+        bounds_all = (state.column("prefix_bounds").to_pylist() if "prefix_bounds" in state.column_names
+                      else None)  # tables written before the column existed: no fixed chunk layout
+        boundaries = [bounds_all[i] for i in active] if bounds_all is not None else None
         tok_dir = base_in  # the base checkpoint carries its tokenizer
         trainer = runtime.trainer(cfg, base_in, tok_dir)
         trainer.use_adapter(adapter_in)
         sampler = runtime.sampler(cfg, export_in, tok_dir)
         sampler.use_adapter(adapter_in)
+        s_cache = None
+        if cfg.sampler.kind == "hf":
+            s_cache = runtime.sampler_prefix_cache(cfg, trainer, sampler)
+        caches = list({id(c): c for c in (trainer.prefix_cache, s_cache) if c is not None}.values())
+        before = [(c.input_tokens, c.computed_tokens) for c in caches]
         K = cfg.latent.max_latent_steps
         sigma = cfg.latent.sigma * trainer.scale
         with timer(out, "latent_s"):
-            z, logq = M.latent_loop(trainer.model, prefixes, K, sigma, trainer.scale, trainer.toks,
-                                    generator(cfg.seed, step, turn, "latent"))
+            z, logq = latent_thoughts(trainer, prefixes, boundaries, K, sigma, generator(cfg.seed, step, turn, "latent"))
         with timer(out, "answers_s"):
             if cfg.sampler.kind == "vllm":  # prompt embeddings from the trainer's table: the export's values
                 with torch.no_grad():
@@ -82,11 +89,12 @@ def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in:
                 ids, lps = sampler.vllm.sample(prompts, cfg.sampler.max_answer_tokens, cfg.sampler.temperature,
                                                limits=limits, seed=seed_for(cfg.seed, step, turn, "sampler") % 2**31)
             else:
-                prompts = [M.prompt_embeddings(sampler.model, p, z[i], sampler.toks) for i, p in enumerate(prefixes)]
-                with torch.no_grad():
-                    ids, lps = M.sample_answers(sampler.model, prompts, cfg.sampler.max_answer_tokens,
-                                                cfg.sampler.temperature, sampler.toks,
-                                                generator(cfg.seed, step, turn, "sampler"), limits=limits)
+                ids, lps = hf_answers(sampler, s_cache, prefixes, boundaries, z, cfg.sampler.max_answer_tokens,
+                                      cfg.sampler.temperature, generator(cfg.seed, step, turn, "sampler"), limits)
+        z, logq = z.cpu(), logq.cpu()
+        if caches:  # prefix tokens the engines asked for vs ran through a model (both engines, this turn)
+            out["prefix_input_tokens"] = sum(c.input_tokens - b[0] for c, b in zip(caches, before))
+            out["prefix_computed_tokens"] = sum(c.computed_tokens - b[1] for c, b in zip(caches, before))
         tok = runtime.tokenizer(tok_dir)
         texts = [tok.decode(a[:-1] if a and a[-1] == trainer.toks.eos else a, skip_special_tokens=False) for a in ids]
         d = z.shape[-1]
@@ -103,3 +111,42 @@ def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in:
         out.update(path=path, rows=len(active), answer_tokens=sum(len(a) for a in ids),
                    prefix_tokens=sum(len(p) for p in prefixes))
     return out
+
+
+def latent_thoughts(trainer, prefixes: list[list[int]], boundaries, K: int, sigma: float, gen):
+    """The trainer's latent loop on its fastest path: CUDA-graph replay on a static cache after a prefix-cached
+    per-row prefill (GPU), the prefix-cached loop (CPU), or the plain batched loop (generation.prefix_cache off).
+    Same generator use in every path (one (B, d) block per thought, row order)."""
+    import torch
+
+    from engine import model as M
+    from engine import prefix_cache as PC
+
+    with torch.no_grad():
+        if trainer.graphs:
+            rows = PC.prefill_rows(trainer.model, prefixes, trainer.prefix_cache, boundaries)
+            return trainer.latent_graph().run_rows(rows, K, sigma, trainer.scale, trainer.toks, gen)
+        if trainer.prefix_cache is not None:
+            return PC.latent_loop_cached(trainer.model, prefixes, K, sigma, trainer.scale, trainer.toks, gen,
+                                         trainer.prefix_cache, boundaries)
+        return M.latent_loop(trainer.model, prefixes, K, sigma, trainer.scale, trainer.toks, gen)
+
+
+def hf_answers(sampler, cache, prefixes: list[list[int]], boundaries, z, max_new: int, temperature: float, gen,
+               limits: list[int]):
+    """The hf sampler's answers from prefix ⊕ <think> ⊕ z ⊕ </think>, the rows of a round decoded as one batch:
+    CUDA-graphed decode after a prefix-cached prefill (GPU), prefix-cached (CPU), or plain prompt embeddings."""
+    import torch
+
+    from engine import model as M
+    from engine import prefix_cache as PC
+
+    with torch.no_grad():
+        if sampler.graphs:
+            rows = PC.prefill_rows(sampler.model, prefixes, cache, boundaries)
+            return sampler.decoder_graph().sample_rows(rows, z, max_new, temperature, sampler.toks, gen, limits)
+        if cache is not None:
+            return PC.sample_answers_cached(sampler.model, prefixes, z, max_new, temperature, sampler.toks, gen, cache,
+                                            limits, boundaries)
+        prompts = [M.prompt_embeddings(sampler.model, p, z[i], sampler.toks) for i, p in enumerate(prefixes)]
+        return M.sample_answers(sampler.model, prompts, max_new, temperature, sampler.toks, gen, limits=limits)

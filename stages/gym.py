@@ -27,7 +27,7 @@ from stages.context import episode_pool, reward_functions, run_config, timer
 # Columns of a row-state table (tasks.arrow, gym-TT.arrow) and their Arrow element types.
 STATE_COLUMNS = ("row", "group", "episode", "task", "prefix_ids", "done", "reward", "history", "observations",
                  "turn_reward", "observation", "reason", "tool_error", "model_tokens", "tool_tokens",
-                 "transport_retries", "trace")
+                 "transport_retries", "trace", "prefix_bounds")
 
 
 def write_state(path: str, rows: list[dict], metadata: dict[str, str]) -> None:
@@ -49,6 +49,9 @@ def write_state(path: str, rows: list[dict], metadata: dict[str, str]) -> None:
         "tool_tokens": np.asarray([r["tool_tokens"] for r in rows], dtype=np.int32),
         "transport_retries": np.asarray([r["transport_retries"] for r in rows], dtype=np.int32),
         "trace": [r["trace"] for r in rows],
+        # lengths of the row's earlier turn prefixes c_0..c_{t-1}: the prefix cache's chunk boundaries, which make
+        # the generation states (and thoughts) bitwise independent of what the cache holds
+        "prefix_bounds": [np.asarray(r.get("prefix_bounds") or [], dtype=np.int32) for r in rows],
     }, metadata=metadata)
 
 
@@ -56,7 +59,7 @@ def initial_row(row: int, group: int, episode: str, task: Task, prefix_ids) -> d
     return {"row": row, "group": group, "episode": episode, "task": json.dumps(task.to_dict()),
             "prefix_ids": prefix_ids, "done": False, "reward": 0.0, "history": "[]", "observations": "[]",
             "turn_reward": 0.0, "observation": "", "reason": "", "tool_error": False, "model_tokens": 0,
-            "tool_tokens": 0, "transport_retries": 0, "trace": ""}
+            "tool_tokens": 0, "transport_retries": 0, "trace": "", "prefix_bounds": []}
 
 
 def budget_left(cfg, row: dict) -> int:
@@ -90,6 +93,7 @@ def _advance(cfg, pool, tok, eos: int, r: dict, a: dict) -> tuple[dict, bool]:
                        observations=json.dumps(observations + [obs]))
             prefix += obs_ids
     new["prefix_ids"] = prefix
+    new["prefix_bounds"] = list(r.get("prefix_bounds") or []) + [len(r["prefix_ids"])]
     return new, new["done"]
 
 

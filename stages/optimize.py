@@ -36,8 +36,9 @@ def _optimizer(cfg, params: list[tuple[str, torch.nn.Parameter]], state_in: str 
         names = json.loads(meta["names"])
         if names != [n for n, _ in params]:
             raise ValueError(f"{state_in}: optimizer state was saved for different adapter parameters")
-        state = {i: {"step": tensors[f"{i}.step"], "exp_avg": tensors[f"{i}.exp_avg"],
-                     "exp_avg_sq": tensors[f"{i}.exp_avg_sq"]} for i in range(len(names))}
+        dev = params[0][1].device if params else torch.device("cpu")
+        state = {i: {"step": tensors[f"{i}.step"], "exp_avg": tensors[f"{i}.exp_avg"].to(dev),
+                     "exp_avg_sq": tensors[f"{i}.exp_avg_sq"].to(dev)} for i in range(len(names))}
         sd = opt.state_dict()
         sd["state"] = state
         opt.load_state_dict(sd)
@@ -48,9 +49,9 @@ def _optimizer_tensors(opt, params) -> tuple[dict, dict]:
     tensors = {}
     for i, (_, p) in enumerate(params):
         st = opt.state[p]
-        tensors[f"{i}.step"] = st["step"].detach().clone().reshape(())
-        tensors[f"{i}.exp_avg"] = st["exp_avg"].detach().clone()
-        tensors[f"{i}.exp_avg_sq"] = st["exp_avg_sq"].detach().clone()
+        tensors[f"{i}.step"] = st["step"].detach().cpu().clone().reshape(())
+        tensors[f"{i}.exp_avg"] = st["exp_avg"].detach().cpu().clone()
+        tensors[f"{i}.exp_avg_sq"] = st["exp_avg_sq"].detach().cpu().clone()
     return tensors, {"names": json.dumps([n for n, _ in params])}
 
 
@@ -136,7 +137,9 @@ def accumulate_gradients(cfg, engine, li: LossInputs, w_thought, w_answer, live=
             with torch.enable_grad():
                 a, q = score_microbatch(engine, li.turns, idx, cfg.sampler.temperature, li.sigma)
             _check_bitwise(step, idx, a, q, li.lp_turn)
-        obj = sum((w_answer[i] * a[n]).sum() + (w_thought[i] * q[n]).sum() for n, i in enumerate(idx))
+        dev = a[0].device if a else torch.device("cpu")
+        obj = sum((w_answer[i].to(dev) * a[n]).sum() + (w_thought[i].to(dev) * q[n]).sum()
+                  for n, i in enumerate(idx))
         obj.backward()
 
 
@@ -191,7 +194,7 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
 def _check_bitwise(step: int, idx: list[int], a: list[torch.Tensor], q: torch.Tensor, stored: list[torch.Tensor]) -> None:
     """Re-scored log-probs must equal what replay stored, bit for bit (same weights, same micro-batch)."""
     for n, i in enumerate(idx):
-        fresh = torch.cat([q[n].detach(), a[n].detach()])
+        fresh = torch.cat([q[n].detach(), a[n].detach()]).cpu()
         if not torch.equal(fresh, stored[i]):
             diff = float((fresh - stored[i]).abs().max())
             raise gates.GateFailed(

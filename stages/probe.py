@@ -73,6 +73,7 @@ def compare_engines(trainer_lp: list[torch.Tensor], sampler_lp: list[torch.Tenso
     agree = total = 0
     gaps, worst = [], None
     for i, (t, s, a) in enumerate(zip(trainer_lp, sampler_lp, answers)):
+        t, s = t.cpu(), s.cpu()
         agree += int((t.argmax(-1) == s.argmax(-1)).sum())
         total += len(a)
         idx = torch.tensor(a)[:, None]
@@ -119,7 +120,9 @@ def probe(run_dir: str, step: int, adapter_in: str, export_in: str, base_in: str
             w = report["worst"]
             problems.append(f"max gap {report['max_gap']:.3f} nat > {cfg.gates.probe_gap_max} (prompt {w['prompt']} "
                             f"token {w['token']}: trainer {w['trainer']:.3f}, sampler {w['sampler']:.3f})")
-        if cfg.gates.probe_layers_bitwise and cfg.sampler.kind == "hf":
+        # the same arithmetic on both sides only with the hf sampler on an unquantized base (an NF4 trainer's
+        # sampler is the BF16 export: same values, other kernels)
+        if cfg.gates.probe_layers_bitwise and cfg.sampler.kind == "hf" and cfg.model.quantization == "none":
             layers = [D.compare_layers(D.adapter_layer_outputs(trainer.model, p, z, a, trainer.toks),
                                        D.adapter_layer_outputs(sampler.model, p, z, a, sampler.toks))
                       for p, z, a in zip(prefixes, thoughts, answers)]

@@ -57,8 +57,8 @@ def replay(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: 
                 live.append((idx, a, q))
                 faults.maybe_kill("replay", step)
                 for j, i in enumerate(idx):
-                    ans_lp[i] = a[j].detach()
-                    logq[i] = q[j].detach()
+                    ans_lp[i] = a[j].detach().cpu()
+                    logq[i] = q[j].detach().cpu()
         trainer_lp = [x.tolist() for x in ans_lp]
         sampler_lp = table.column("sampler_logps").to_pylist()
         if fresh:

@@ -43,6 +43,8 @@ def test_unknown_key_is_rejected_with_its_path(tmp_path):
     ({"sampler.kind": "vllm", "model.dtype": "bfloat16", "sampler.temperature": 2.5}, r"\[0.01, 2\]"),
     ({"sampler.mtp_tokens": 2}, "vLLM engine settings"),
     ({"model.quantization": "nf4"}, "bfloat16"),
+    ({"model.quantization": "nf4", "model.dtype": "bfloat16"}, "set device: cuda"),
+    ({"device": "tpu"}, "device"),
     ({"model.source": "pretrained"}, "model.path"),
 ])
 def test_invalid_combinations_fail_at_load(overrides, message):

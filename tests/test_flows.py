@@ -43,16 +43,16 @@ def test_gate_failure_fails_the_task_without_retry(prefect_harness, tmp_path, mo
     """A sampler that over-reports its log-probs by 3 nat (an injected defect) fails the rollout-parity gate."""
     from prefect.states import State
 
-    from engine import model as M
     from flows.step import grpo_step
+    from stages import generate as G
 
-    real = M.sample_answers
+    real = G.hf_answers
 
     def off_by_three(*args, **kwargs):
         ids, lps = real(*args, **kwargs)
         return ids, [[x + 3.0 for x in row] for row in lps]
 
-    monkeypatch.setattr(M, "sample_answers", off_by_three)
+    monkeypatch.setattr(G, "hf_answers", off_by_three)
     run_dir = make_run(tmp_path / "run")
     state: State = grpo_step(run_dir, 0, return_state=True)
     assert state.is_failed()

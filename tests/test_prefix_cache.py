@@ -355,3 +355,58 @@ def test_sample_answers_cached_matches_uncached(model):
     assert ids == ids0 and len(ids[1]) <= 3
     for a, b in zip(lps, lps0):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# in the pipeline: generate-turn
+
+
+def test_generate_turn_thoughts_bitwise_warm_or_cold_and_counters(tmp_path):
+    """generate-turn runs the latent loop and the hf sampler through the prefix cache. A retried turn in a fresh
+    process (cold cache) must give the stored thoughts and answers bit for bit (turn boundaries fix the chunk
+    layout), and the step's later turns must compute only their new tokens."""
+    import numpy as np
+
+    from artifacts import read_json, read_table
+    from engine import runtime
+    from stages.export import export_base
+    from stages.generate import generate_turn, sample_tasks
+    from stages.gym import write_state
+    from tests.conftest import make_run
+
+    run_dir = make_run(tmp_path / "run", **{"gym.max_turns": 3})
+    prep = read_json(f"{run_dir}/prepared.json")
+    export = export_base(run_dir, prep["base"])["path"]
+    state = sample_tasks(run_dir, 0, prep["base"])["path"]
+    runtime.clear()
+    states, outs, new_tokens = [], [], []
+    for turn in range(3):
+        states.append(state)
+        tr = generate_turn(run_dir, 0, turn, state, prep["adapter_init"], export, prep["base"])
+        outs.append(tr)
+        # the next turn's state as the gym writes it (every episode continues): c_{t+1} = c_t ⊕ answer ⊕ 5 tool
+        # tokens, the earlier prefix length appended to the row's boundaries
+        answers = {r["row"]: r["answer_ids"] for r in read_table(tr["path"]).to_pylist()}
+        new_tokens.append(sum(len(a) + 5 for a in answers.values()))
+        rows = read_table(state).to_pylist()
+        for r in rows:
+            r["prefix_bounds"] = list(r["prefix_bounds"]) + [len(r["prefix_ids"])]
+            r["prefix_ids"] = list(r["prefix_ids"]) + list(answers[r["row"]]) + [40 + r["row"] % 7] * 5
+        state = str(tmp_path / f"gym-{turn}.arrow")
+        write_state(state, rows, metadata={"step": "0"})
+    first = outs[0]
+    G = load_config(f"{run_dir}/config.yaml").grpo.num_generations
+    # turn 0: each group's shared question is computed once by the trainer; the sampler computes nothing
+    assert first["prefix_computed_tokens"] * G == first["prefix_input_tokens"] // 2
+    for t in (1, 2):  # later turns: only each row's answer and tool-result tokens of the last turn, once
+        assert outs[t]["prefix_computed_tokens"] == new_tokens[t - 1]
+        assert outs[t]["prefix_input_tokens"] == outs[t - 1]["prefix_input_tokens"] + 2 * new_tokens[t - 1]  # 2 engines
+    last = len(outs) - 1
+    runtime.clear()  # a retry in a fresh worker: nothing cached
+    again = generate_turn(run_dir, 0, last, states[last], prep["adapter_init"], export, prep["base"],
+                          out_path=str(tmp_path / "again.arrow"))
+    assert again["prefix_computed_tokens"] > outs[last]["prefix_computed_tokens"]  # it did recompute the prefixes
+    a, b = read_table(outs[last]["path"]), read_table(again["path"])
+    for col in ("thoughts", "thought_logq", "answer_ids", "sampler_logps"):
+        for x, y in zip(a.column(col).to_pylist(), b.column(col).to_pylist()):
+            assert np.array_equal(np.asarray(x, dtype=np.float32), np.asarray(y, dtype=np.float32)), col

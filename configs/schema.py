@@ -173,6 +173,14 @@ class GRPOConfig(_Strict):
     vllm_importance_sampling_clip_max: float = Field(3.0, gt=0)
     vllm_importance_sampling_clip_min: float | None = None
     thought_loss_weight: float = Field(1.0, ge=0, description="scale of the thought-density terms in the loss")
+    thought_sampling_logq: Literal["replay", "recorded"] = Field(
+        "replay", description=(
+            "the thoughts' sampling log-density in the importance ratio. replay: the trainer's own replay value "
+            "(thoughts are sampled by the trainer itself, so the vLLM-style correction covers the sampler's answer "
+            "tokens only, as in TRL); recorded: the value the latent loop recorded, exact but numerically fragile: "
+            "log q = -|z - mu|^2 / (2 sigma^2) turns BF16/NF4 rounding of mu between the generation and replay "
+            "layouts into gaps of several nats per thought (measured 2-9 BF16, 9-18 NF4), which the sequence-level "
+            "ratio multiplies into near-zero weights"))
 
     @model_validator(mode="after")
     def _check(self) -> "GRPOConfig":

@@ -148,7 +148,8 @@ def publish(run_dir: str, step: int, kind: str, summaries: list[dict]) -> dict:
     if "probe" in by:
         metrics.update(probe_max_gap=by["probe"]["max_gap"], probe_argmax_agreement=by["probe"]["argmax_agreement"])
     o = by["optimize"]
-    metrics.update(loss=o["loss"], grad_norm=o["grad_norm"], signal=o["signal"], live_graph=o.get("live_graph"))
+    metrics.update(loss=o["loss"], grad_norm=o["grad_norm"], signal=o["signal"], live_graph=o.get("live_graph"),
+                   thought_logq_gap_max=o.get("thought_logq_gap_max"))
     write_json(rd.timings(step), ph)
     write_json(rd.metrics(step), metrics)
     append_jsonl(rd.metrics_history(), metrics | {"phases": ph}, replace="step")

@@ -78,6 +78,7 @@ class LossInputs:
     adv: torch.Tensor
     is_ratio: torch.Tensor | None
     n_rows: int
+    thought_gap: float = 0.0  # max |recorded - replayed| thought log-density (nat): generation vs replay numerics
 
     def loss(self, cfg, lp: torch.Tensor, metrics: dict | None = None) -> torch.Tensor:
         g = cfg.grpo
@@ -102,7 +103,13 @@ def loss_inputs(cfg, rollouts_in: str, replay_in: str, old_replay_in: str) -> Lo
     K = int(roll.schema.metadata[b"K"])
     lp_turn = _thoughts_then_answer(rep, "trainer_logq", "trainer_logps")
     old_turn = _thoughts_then_answer(old, "trainer_logq", "trainer_logps")
-    samp_turn = _thoughts_then_answer(roll, "thought_logq", "sampler_logps")
+    recorded = to_tensor_list(roll, "thought_logq", torch.float32)
+    thought_gap = max((float((r - o[:K]).abs().max()) for r, o in zip(recorded, old_turn) if K), default=0.0)
+    if g.thought_sampling_logq == "replay":  # thoughts: the trainer's own (old) replay values; answers: the sampler's
+        samp_turn = [torch.cat([o[:K], a]) for o, a in zip(old_turn, to_tensor_list(roll, "sampler_logps",
+                                                                                     torch.float32))]
+    else:
+        samp_turn = _thoughts_then_answer(roll, "thought_logq", "sampler_logps")
     keep = [torch.tensor(k, dtype=torch.float32) for k in old.column("loss_mask").to_pylist()]
     mask_turn = [torch.cat([torch.ones(K), k]) for k in keep]
     _, mask = to_sequences(rows, lp_turn, n_rows)  # (B, T)
@@ -117,7 +124,7 @@ def loss_inputs(cfg, rollouts_in: str, replay_in: str, old_replay_in: str) -> Lo
                                              g.vllm_importance_sampling_clip_max, g.vllm_importance_sampling_clip_min)
     return LossInputs(turns=turns, rows=rows, K=K, sigma=float(roll.schema.metadata[b"sigma"]),
                       lengths=[x.numel() for x in lp_turn], lp_turn=lp_turn, old_lp=old_lp, samp_lp=samp_lp,
-                      mask=mask, adv=adv, is_ratio=is_ratio, n_rows=n_rows)
+                      mask=mask, adv=adv, is_ratio=is_ratio, n_rows=n_rows, thought_gap=thought_gap)
 
 
 def driver_weights(cfg, li: LossInputs, metrics: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -184,10 +191,11 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
         engine.adapter_digest = digest
         tensors, meta = _optimizer_tensors(opt, params)
         write_tensors(rd.optimizer(step), tensors, meta)
-        metrics.update(grad_norm=gnorm, signal=signal, tokens=int(mask.sum()), rollouts=n_rows)
+        metrics.update(grad_norm=gnorm, signal=signal, tokens=int(mask.sum()), rollouts=n_rows,
+                       thought_logq_gap_max=li.thought_gap)
         write_json(rd.loss(step), metrics)
         out.update(adapter=str(adapter_dir), adapter_digest=digest, optimizer=str(rd.optimizer(step)),
-                   loss=metrics["loss"], grad_norm=gnorm, signal=signal)
+                   loss=metrics["loss"], grad_norm=gnorm, signal=signal, thought_logq_gap_max=li.thought_gap)
     return out
 
 

@@ -14,39 +14,9 @@ import pytest
 import torch
 
 from engine.gates import GateFailed
-from tests.conftest import make_run
+from tests.conftest import fresh_step, make_run
 
 pytestmark = pytest.mark.slow
-
-
-def _fresh_step(run_dir: str, step: int, adapter: str) -> dict:
-    """One fresh step through the stages (no Prefect): generation, gym, rollouts, replay, optimize."""
-    from artifacts import read_json
-    from stages.context import run_config
-    from stages.export import export_base
-    from stages.generate import generate_turn, sample_tasks
-    from stages.gym import collect_rollouts, run_gym
-    from stages.optimize import optimize
-    from stages.replay import replay
-
-    cfg = run_config(run_dir)
-    base = read_json(f"{run_dir}/prepared.json")["base"]
-    export = export_base(run_dir, base)["path"]
-    state = sample_tasks(run_dir, step, base)["path"]
-    turns, gyms = [], []
-    for turn in range(cfg.gym.max_turns):
-        tr = generate_turn(run_dir, step, turn, state, adapter, export, base)
-        gr = run_gym(run_dir, step, turn, state, tr["path"], base)
-        turns.append(tr["path"])
-        gyms.append(gr["path"])
-        state = gr["path"]
-        if gr["all_done"]:
-            break
-    ro = collect_rollouts(run_dir, step, turns, gyms)
-    rp = replay(run_dir, step, ro["path"], adapter, base, True)
-    prev_opt = None if step == 0 else f"{run_dir}/step-{step - 1:04d}/optimizer.safetensors"
-    op = optimize(run_dir, step, ro["path"], rp["path"], rp["path"], adapter, prev_opt, base)
-    return {"rollouts": ro["path"], "export": export, "base": base, "replay": rp, "optimize": op}
 
 
 def test_stale_sampler_adapter_fails_rollout_parity_and_the_diagnostic_names_it(tmp_path, monkeypatch):
@@ -57,7 +27,7 @@ def test_stale_sampler_adapter_fails_rollout_parity_and_the_diagnostic_names_it(
     # a learning rate that moves the policy in one update, so one update of staleness is a real difference
     run_dir = make_run(tmp_path / "run", **{"optimizer.lr": 0.05, "grpo.groups_per_step": 4,
                                              "steps.pattern": ["fresh"]})
-    first = _fresh_step(run_dir, 0, f"{run_dir}/adapter-init")
+    first = fresh_step(run_dir, 0, f"{run_dir}/adapter-init")
     assert first["optimize"]["grad_norm"] > 0
     real = runtime.Engine.use_adapter
 
@@ -72,7 +42,7 @@ def test_stale_sampler_adapter_fails_rollout_parity_and_the_diagnostic_names_it(
     monkeypatch.setattr(runtime.Engine, "use_adapter", skip_sampler_reload)
     adapter1 = f"{run_dir}/step-0000/adapter"
     with pytest.raises(GateFailed) as err:
-        _fresh_step(run_dir, 1, adapter1)
+        fresh_step(run_dir, 1, adapter1)
     assert err.value.gate == "rollout-parity"
     report = err.value.report
     assert report["mean_gap"] > 0.1 and report["worst_tokens"]
@@ -153,7 +123,7 @@ def test_probe_checkpoint_and_bitwise_thoughts_on_a_healthy_run(tmp_path):
 
     runtime.clear()
     run_dir = make_run(tmp_path / "run", **{"steps.pattern": ["fresh", "reuse"]})
-    s0 = _fresh_step(run_dir, 0, f"{run_dir}/adapter-init")
+    s0 = fresh_step(run_dir, 0, f"{run_dir}/adapter-init")
     adapter = f"{run_dir}/step-0000/adapter"
     pr = probe(run_dir, 0, adapter, s0["export"], s0["base"])
     assert pr["passed"] and pr["max_gap"] == 0.0
@@ -176,3 +146,33 @@ def test_probe_checkpoint_and_bitwise_thoughts_on_a_healthy_run(tmp_path):
     assert [(p["step"], p["kind"], p["gated"]) for p in parity] == [(0, "fresh", True), (1, "reuse", False)]
     assert parity[1]["tokens"] == parity[0]["tokens"] > 0, "the reuse step measures every replayed answer token"
     assert read_json(f"{run_dir}/step-0001/parity.json")["passed"] is None
+
+
+def test_thought_sampling_logq_replay_keeps_recorded_rounding_out_of_the_ratio(tmp_path):
+    """grpo.thought_sampling_logq: with `replay` (default) the importance ratio compares the sampler's answer tokens
+    only (thoughts come from the trainer itself), so a recorded thought log-density that is off (BF16/NF4 rounding of
+    mu between the generation and replay layouts: several nats) changes nothing; with `recorded` it enters the
+    sequence-level ratio. Either way the gap is reported (thought_logq_gap_max)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from artifacts import read_table, write_table
+    from stages.context import run_config
+    from stages.optimize import loss_inputs
+
+    run_dir = make_run(tmp_path / "run")
+    first = fresh_step(run_dir, 0, f"{run_dir}/adapter-init")
+    assert first["optimize"]["thought_logq_gap_max"] < 1e-3  # fp32: generation and replay agree to rounding
+    roll = read_table(first["rollouts"])
+    shifted = pa.array([np.asarray(x, dtype=np.float32) + 5.0 for x in roll.column("thought_logq").to_pylist()],
+                       type=roll.schema.field("thought_logq").type)
+    off = str(tmp_path / "shifted.arrow")
+    write_table(off, roll.set_column(roll.schema.get_field_index("thought_logq"), "thought_logq", shifted))
+    cfg, rp = run_config(run_dir), first["replay"]["path"]
+    base, moved = loss_inputs(cfg, first["rollouts"], rp, rp), loss_inputs(cfg, off, rp, rp)
+    assert torch.equal(base.is_ratio, moved.is_ratio) and torch.equal(base.samp_lp, moved.samp_lp)
+    assert moved.thought_gap == pytest.approx(5.0, abs=1e-3)
+    rec = cfg.with_overrides(**{"grpo.thought_sampling_logq": "recorded"})
+    r0, r1 = loss_inputs(rec, first["rollouts"], rp, rp), loss_inputs(rec, off, rp, rp)
+    assert torch.allclose(r0.is_ratio, base.is_ratio, rtol=1e-3)  # fp32: both choices agree
+    assert float(r1.is_ratio.max()) < 1e-3  # 5 nat per thought: exp(-5 K turns) per sequence

@@ -528,6 +528,7 @@ class _StaticDecoder:
         raise NotImplementedError
 
     def _timed(self, key: str, fn) -> None:
+        self.counts[key] = self.counts.get(key, 0) + 1  # always counted (cheap); timed only when profiling
         if not self.profile:
             fn()
             return
@@ -536,7 +537,6 @@ class _StaticDecoder:
         fn()
         _sync(self.dev)
         self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - t
-        self.counts[key] = self.counts.get(key, 0) + 1
 
     def _run_step(self, key) -> None:
         """One decode step. Graphed mode: warm-up (eager, on the capture stream) when no graph exists yet, capture at

@@ -29,8 +29,8 @@ class Engine:
     prefix_cache: per-row model states keyed by token prefix (engine.prefix_cache), valid for the adapter it was
     filled with: switching adapters clears it (``use_weights``). An engine whose model holds exactly the same weights
     and arithmetic as another (the hf sampler on an unquantized base: the export is the trainer's base in the same
-    dtype) shares that engine's cache. latent_graph / decoder_graph: the static-cache CUDA-graph loops (GPU only),
-    built on first use.
+    dtype) shares that engine's cache. graphs: generate on the static-cache loops latent_graph / decoder_graph
+    (CUDA-graph replay on a GPU; on the CPU the same static path runs eagerly), built on first use.
     """
 
     model: object
@@ -63,14 +63,14 @@ class Engine:
         if self._latent_graph is None:
             from engine.cuda_graphs import GraphedLatentLoop
 
-            self._latent_graph = GraphedLatentLoop(self.model, graphed=self.graphs)
+            self._latent_graph = GraphedLatentLoop(self.model)  # graphed on CUDA, the eager static path on CPU
         return self._latent_graph
 
     def decoder_graph(self):
         if self._decoder_graph is None:
             from engine.cuda_graphs import GraphedDecoder
 
-            self._decoder_graph = GraphedDecoder(self.model, graphed=self.graphs)
+            self._decoder_graph = GraphedDecoder(self.model)
         return self._decoder_graph
 
 

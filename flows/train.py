@@ -4,37 +4,16 @@ and a held-out evaluation before and after training.
 
 from __future__ import annotations
 
-import uuid
-from pathlib import Path
 from typing import Any
 
-import yaml
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 
-from artifacts import RunDir, atomic_write, write_json
-from configs.schema import RunConfig, load_config
+from artifacts import write_json
+from configs.schema import load_config
 from flows import tasks as T
 from flows.step import grpo_step
-from stages.prepare import record_prepared
-
-
-def init_run_dir(cfg: RunConfig) -> RunDir:
-    """Create (or resume) a run directory. Resuming needs the same config; anything else is refused."""
-    rd = RunDir(Path(cfg.run_dir)).ensure()
-    text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=True)
-    if rd.config().exists():
-        old = RunConfig.model_validate(yaml.safe_load(rd.config().read_text()))
-        if old != cfg:
-            diff = {k for k, v in cfg.model_dump().items() if old.model_dump().get(k) != v}
-            raise ValueError(
-                f"{rd.root} holds a run with another config (differs in: {', '.join(sorted(diff))}); "
-                "pass a new --run-dir, or the same settings to resume it")
-    else:
-        atomic_write(rd.config(), lambda tmp: tmp.write_text(text))
-    if not (rd.root / "run.json").exists():
-        write_json(rd.root / "run.json", {"run_id": uuid.uuid4().hex})
-    return rd
+from stages.prepare import init_run_dir, record_prepared  # noqa: F401  (init_run_dir: public here too)
 
 
 @flow(name="lgrpo-train", log_prints=True)

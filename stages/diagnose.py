@@ -27,12 +27,20 @@ from stages.context import run_config, timer
 TOL = 0.02  # nat: bf16 cached-vs-full decode differs by ~4e-4 here (fp32: ~2e-7); a defect shows far above
 
 
-def _fresh(model_dir: str, adapter_dir: str, dtype: str):
+def _fresh(model_dir: str, adapter_dir: str, dtype: str, device: str = "cpu", quantization: str = "none"):
+    """The engine as a fresh process would build it: base from disk (NF4 when the run's trainer is), adapter
+    through PEFT, on the run's device."""
     from peft import PeftModel
 
     from engine import model as M
 
-    m = PeftModel.from_pretrained(M.load_base(model_dir, dtype), adapter_dir)
+    if quantization == "nf4":
+        from engine.nf4 import load_base_nf4
+
+        base = load_base_nf4(model_dir, device=device)
+    else:
+        base = M.load_base(model_dir, dtype).to(device)
+    m = PeftModel.from_pretrained(base, adapter_dir)
     m.eval()
     return m
 
@@ -73,6 +81,9 @@ def _verdict(paths: dict[str, float], weights: dict, layers: dict) -> tuple[list
         return bad, "sampler batching: batched teacher forcing differs from the same turn alone"
     if "sampler/live-cached" in bad and "sampler/live-alone" not in bad:
         return bad, "sampler incremental cache: decoding through the cache differs from a full forward"
+    if "sampler/prefix-cache-live" in bad and "sampler/prefix-cache-cold" not in bad:
+        return bad, ("sampler prefix cache: a stored prefix state differs from the same prefix computed afresh "
+                     "(stale entries: the cache was not cleared when the adapter changed)")
     if bad == ["sampler/rollout"]:
         return bad, ("sampler rollout path only: every isolated path agrees with the trainer, the recorded rollout "
                      "value does not (state carried between requests, e.g. a reused prefix cache)")
@@ -89,6 +100,9 @@ def _analyse(cfg, trainer, sampler, fresh_t, fresh_s, cases: list[dict], gate_va
     thoughts = [c["thoughts"] for c in cases]
     answers = [c["answer"] for c in cases]
     batched = D.teacher_forced(sampler.model, prefixes, thoughts, answers, T, sampler.toks)
+    from engine import runtime
+
+    live_cache = runtime.sampler_prefix_cache(cfg, trainer, sampler)  # as it is (entries of the failed round)
     tokens = []
     for i, c in enumerate(cases):
         p, z, a, j = c["prefix"], c["thoughts"], c["answer"], c["token"]
@@ -100,6 +114,10 @@ def _analyse(cfg, trainer, sampler, fresh_t, fresh_s, cases: list[dict], gate_va
             "sampler/live-alone": _token_lp(D.teacher_forced(sampler.model, [p], [z], [a], T, sampler.toks)[0], a, j),
             "sampler/live-batched": _token_lp(batched[i], a, j),
             "sampler/live-cached": _token_lp(D.cached_decode(sampler.model, p, z, a, T, sampler.toks), a, j),
+            "sampler/prefix-cache-cold": _token_lp(D.prefix_cached_decode(sampler.model, p, z, a, T, sampler.toks,
+                                                                           None), a, j),
+            "sampler/prefix-cache-live": _token_lp(D.prefix_cached_decode(sampler.model, p, z, a, T, sampler.toks,
+                                                                           live_cache), a, j),
             "sampler/fresh-alone": _token_lp(D.teacher_forced(fresh_s, [p], [z], [a], T, sampler.toks)[0], a, j),
         }
         tokens.append({**c["where"], "token_id": a[j], "paths": paths})
@@ -170,14 +188,14 @@ def diagnose(run_dir: str, step: int, gate: str, report: dict, adapter_in: str, 
             raise ValueError(f"no diagnostic for gate {gate!r}")
         if not cases:
             raise ValueError(f"gate {gate} report names no tokens to rebuild")
-        fresh_t = _fresh(base_in, adapter_in, cfg.model.dtype)
+        fresh_t = _fresh(base_in, adapter_in, cfg.model.dtype, cfg.device, cfg.model.quantization)
         step_digest = dir_digest(adapter_in)
         if cfg.sampler.kind == "vllm":
             tokens, layers = _analyse_vllm(cfg, trainer, sampler, fresh_t, cases, gate_values)
             stale = sampler.adapter_digest != step_digest
             weights = {"tensors": 1, "differing": int(stale), "examples": ["adapter version"] if stale else []}
         else:
-            fresh_s = _fresh(export, adapter_in, cfg.model.dtype)
+            fresh_s = _fresh(export, adapter_in, cfg.model.dtype, cfg.device)
             tokens, layers = _analyse(cfg, trainer, sampler, fresh_t, fresh_s, cases, gate_values)
             weights = adapter_weight_check(sampler.model, adapter_in)
         weights.update(engine_digest=sampler.adapter_digest, step_digest=step_digest)

@@ -9,10 +9,13 @@ from __future__ import annotations
 import hashlib
 import random
 import shutil
+import uuid
 from pathlib import Path
 
+import yaml
+
 from artifacts import RunDir, atomic_write, dir_digest, sha256_file, write_adapter_dir, write_json
-from configs.schema import config_hash
+from configs.schema import RunConfig, config_hash
 from engine.chat import episode_text, first_prompt, observation_block
 from stages.context import env_factory, run_config, timer
 
@@ -232,3 +235,21 @@ def prepare_run(run_dir: str) -> dict:
     init = init_adapter(run_dir, base["path"])
     record_prepared(run_dir, tok, base, init)
     return {"tokenizer": tok, "base": base, "adapter_init": init}
+
+
+def init_run_dir(cfg: RunConfig) -> RunDir:
+    """Create (or resume) a run directory. Resuming needs the same config; anything else is refused."""
+    rd = RunDir(Path(cfg.run_dir)).ensure()
+    text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=True)
+    if rd.config().exists():
+        old = RunConfig.model_validate(yaml.safe_load(rd.config().read_text()))
+        if old != cfg:
+            diff = {k for k, v in cfg.model_dump().items() if old.model_dump().get(k) != v}
+            raise ValueError(
+                f"{rd.root} holds a run with another config (differs in: {', '.join(sorted(diff))}); "
+                "pass a new --run-dir, or the same settings to resume it")
+    else:
+        atomic_write(rd.config(), lambda tmp: tmp.write_text(text))
+    if not (rd.root / "run.json").exists():
+        write_json(rd.root / "run.json", {"run_id": uuid.uuid4().hex})
+    return rd

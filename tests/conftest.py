@@ -49,10 +49,42 @@ def prefect_harness(tmp_path_factory):
 def make_run(tmp_path, **overrides) -> str:
     """Create a run directory and prepare it (tokenizer, small bootstrap, initial adapter) through the stages."""
     from configs.schema import load_config
-    from flows.train import init_run_dir
+    from stages.prepare import init_run_dir
     from stages.prepare import prepare_run
 
     cfg = load_config("tiny", {**SMALL, "run_dir": str(tmp_path), **overrides})
     rd = init_run_dir(cfg)
     prepare_run(str(rd.root))
     return str(rd.root)
+
+
+def fresh_step(run_dir: str, step: int, adapter: str) -> dict:
+    """One fresh step through the stages (no Prefect): generation, gym, rollouts, replay, optimize."""
+    from artifacts import read_json
+    from stages.context import run_config
+    from stages.export import export_base
+    from stages.generate import generate_turn, sample_tasks
+    from stages.gym import collect_rollouts, run_gym
+    from stages.optimize import optimize
+    from stages.replay import replay
+
+    cfg = run_config(run_dir)
+    base = read_json(f"{run_dir}/prepared.json")["base"]
+    export = export_base(run_dir, base)["path"]
+    state = sample_tasks(run_dir, step, base)["path"]
+    turns, gyms, gen = [], [], []
+    for turn in range(cfg.gym.max_turns):
+        tr = generate_turn(run_dir, step, turn, state, adapter, export, base)
+        gen.append(tr | {"state_in": state})
+        gr = run_gym(run_dir, step, turn, state, tr["path"], base)
+        turns.append(tr["path"])
+        gyms.append(gr["path"])
+        state = gr["path"]
+        if gr["all_done"]:
+            break
+    ro = collect_rollouts(run_dir, step, turns, gyms)
+    rp = replay(run_dir, step, ro["path"], adapter, base, True)
+    prev_opt = None if step == 0 else f"{run_dir}/step-{step - 1:04d}/optimizer.safetensors"
+    op = optimize(run_dir, step, ro["path"], rp["path"], rp["path"], adapter, prev_opt, base)
+    return {"rollouts": ro["path"], "export": export, "base": base, "replay": rp, "optimize": op, "generate": gen,
+            "collect": ro}

@@ -148,3 +148,45 @@ def test_nf4_latent_loop_graphed_bitwise_eager(nf4_pair):
         zg, qg = graphed.run(prefixes, 5, 0.05 * scale, scale, TOKS, torch.Generator("cuda").manual_seed(4))
         assert torch.equal(ze, zg) and torch.equal(qe, qg)
         assert torch.isfinite(zg).all()
+
+
+def _adapter_grads(model, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Gradients of the teacher-forced log-likelihood of x under `model` w.r.t. its adapter (FP32 masters)."""
+    model.zero_grad(set_to_none=True)
+    lp = torch.log_softmax(model(input_ids=x[:, :-1]).logits.float(), -1).gather(2, x[:, 1:, None])
+    lp.sum().backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("init", ["peft-init", "random-B"])
+def test_nf4_dora_gradients_match_bf16_dora_on_the_same_values(init):
+    """The NF4 trainer's adapter gradients equal, up to the forward's kernel rounding, those of a BF16 model holding
+    the same (dequantized) values and the same adapter: every trainable tensor gets its gradient through
+    bitsandbytes' Linear4bit (PEFT's DoRA on bnb layers), at PEFT's init (B = 0) and with a trained-like B."""
+    pytest.importorskip("bitsandbytes")
+    base = _bf16_base("cuda")
+    nf4.quantize_nf4_(base)
+    if init == "random-B":
+        trainer = _dora(base)
+    else:
+        torch.manual_seed(0)
+        trainer = M.attach_adapter(base, load_config("tiny").adapter.model_copy(update={"type": "dora"})).eval()
+    ref_base = _bf16_base("cuda", seed=1)
+    nf4.load_state_into(ref_base, nf4.dequantized_bf16_state(trainer))
+    torch.manual_seed(5)
+    ref = M.attach_adapter(ref_base, load_config("tiny").adapter.model_copy(update={"type": "dora"})).eval()
+    M.load_adapter_state(ref, M.adapter_state(trainer))
+    x = torch.randint(4, V, (3, 24), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    g_nf4, g_ref = _adapter_grads(trainer, x), _adapter_grads(ref, x)
+    assert set(g_nf4) == set(g_ref) and len(g_ref) == 3 * 25
+    num = sum(float((g_nf4[k] - g_ref[k]).pow(2).sum()) for k in g_ref)
+    den = sum(float(g_ref[k].pow(2).sum()) for k in g_ref)
+    norms = {part: (sum(float(g_nf4[k].pow(2).sum()) for k in g_ref if part in k) ** 0.5,
+                    sum(float(g_ref[k].pow(2).sum()) for k in g_ref if part in k) ** 0.5)
+             for part in ("lora_A", "lora_B", "magnitude")}
+    print(f"\nNF4 vs BF16 DoRA gradients ({init}): relative L2 {(num / den) ** 0.5:.3e}; norms (nf4, bf16) {norms}")
+    for part, (a, b) in norms.items():
+        if b > 0:
+            assert 0.5 < a / b < 2.0, (part, a, b)
+    assert (num / den) ** 0.5 < 0.2

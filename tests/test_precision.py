@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.conftest import make_run
-from tests.test_gates import _fresh_step
+from tests.conftest import fresh_step
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ def trajectory(tmp_path_factory):
     runtime.clear()
     tmp = tmp_path_factory.mktemp("precision")
     run_dir = make_run(tmp / "run", **{"steps.pattern": ["fresh"], "grpo.groups_per_step": 4})
-    s0 = _fresh_step(run_dir, 0, f"{run_dir}/adapter-init")
+    s0 = fresh_step(run_dir, 0, f"{run_dir}/adapter-init")
     adapter = trained_like(run_dir, tmp / "adapter")
     cfg = run_config(run_dir)
     li = loss_inputs(cfg, s0["rollouts"], s0["replay"]["path"], s0["replay"]["path"])

@@ -584,7 +584,7 @@ def test_pipeline_step_with_vllm_passes_parity_and_a_skipped_reload_fails_it(tmp
     from engine.gates import GateFailed
     from stages.diagnose import diagnose
     from tests.conftest import make_run
-    from tests.test_gates import _fresh_step
+    from tests.conftest import fresh_step
 
     runtime.clear()
     ckpt = _peaked_checkpoint(tmp_path)
@@ -592,7 +592,7 @@ def test_pipeline_step_with_vllm_passes_parity_and_a_skipped_reload_fails_it(tmp
                                              "model.source": "pretrained", "model.path": str(ckpt),
                                              "tokenizer.path": str(ckpt), "steps.pattern": ["fresh"],
                                              "grpo.groups_per_step": 4})
-    first = _fresh_step(run_dir, 0, f"{run_dir}/adapter-init")
+    first = fresh_step(run_dir, 0, f"{run_dir}/adapter-init")
     report = read_json(RunDir(run_dir).parity(0))
     print(f"\npipeline vLLM step 0: {report['tokens_considered']} of {report['tokens']} tokens considered, mean gap "
           f"{report['mean_gap']:.4f}, max {report['max_gap']:.3f}")
@@ -604,7 +604,7 @@ def test_pipeline_step_with_vllm_passes_parity_and_a_skipped_reload_fails_it(tmp
     write_adapter_dir(adapter1, config, moved)
     monkeypatch.setattr(runtime.VllmEngine, "use_adapter", lambda self, adapter_dir: None)  # the reload is skipped
     with pytest.raises(GateFailed) as err:
-        _fresh_step(run_dir, 1, adapter1)
+        fresh_step(run_dir, 1, adapter1)
     print(f"stale sampler: mean gap {err.value.report['mean_gap']:.3f}")
     assert err.value.gate == "rollout-parity" and err.value.report["mean_gap"] > 0.1
     d = diagnose(run_dir, 1, "rollout-parity", err.value.report, adapter1, first["base"],

@@ -7,6 +7,7 @@ so a stage always runs with exactly the adapter it was given (a stale adapter is
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,7 +94,18 @@ def _new_prefix_cache(cfg):
     return PrefixCache(cfg.generation.prefix_cache_mb * 2**20) if cfg.generation.prefix_cache else None
 
 
+def check_device(cfg) -> None:
+    """Fail early, saying what to change, when the configured device or quantization cannot run here."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device: cuda, but this torch ({torch.__version__}) sees no CUDA GPU: run on a GPU "
+                           "machine or set device: cpu (and model.quantization: none)")
+    if cfg.model.quantization == "nf4" and importlib.util.find_spec("bitsandbytes") is None:
+        raise RuntimeError("model.quantization: nf4 needs bitsandbytes (pip install bitsandbytes) on the GPU "
+                           "machine, or set model.quantization: none")
+
+
 def _build(model_dir: str | Path, tok_dir: str | Path, cfg, quantization: str = "none") -> Engine:
+    check_device(cfg)
     tok = tokenizer(tok_dir)
     if quantization == "nf4":
         from engine.nf4 import load_base_nf4

@@ -26,6 +26,9 @@ def train(config: str = "tiny", steps: int | None = None, run_dir: str | None = 
     if run_dir is not None:
         ov["run_dir"] = run_dir
     cfg = load_config(config, ov)
+    from engine.runtime import check_device  # lazily: this module stays importable without torch
+
+    check_device(cfg)  # before the bootstrap, not after it
     rd = init_run_dir(cfg)
     run_dir = str(rd.root)
     tok = T.prepare_tokenizer(run_dir)

@@ -97,3 +97,16 @@ def test_mtp_with_prefix_caching_on_a_hybrid_is_rejected_before_any_model_loads(
             " 'sampler.prefix_caching': True})\nexcept ConfigError: pass\n"
             "assert not {'torch', 'vllm'} & set(sys.modules), 'the guard must not import torch or vllm'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=__file__.rsplit("/tests/", 1)[0])
+
+
+def test_cuda_without_a_gpu_fails_with_a_message_saying_what_to_change():
+    import torch
+
+    from engine.runtime import check_device
+
+    cfg = load_config("tiny", {"device": "cuda"})
+    if torch.cuda.is_available():
+        check_device(cfg)  # nothing to complain about
+        return
+    with pytest.raises(RuntimeError, match="sees no CUDA GPU.*set device: cpu"):
+        check_device(cfg)

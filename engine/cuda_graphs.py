@@ -40,32 +40,12 @@ Nothing here touches CUDA at import time; on CPU both classes run their eager st
 
 from __future__ import annotations
 
-import inspect
 import time
 
 import torch
 
-from engine.model import Tokens, _parts, gaussian_logq, left_pad, sampling_loop, thought_mean
-
-LINEAR, ATTN = "linear_attention", "full_attention"
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# transformers version shims
-
-
-def cache_kwarg(text) -> str:
-    """Name of the cache argument of the text model's forward: `cache` (transformers >= 5.2x) or `past_key_values`."""
-    params = inspect.signature(text.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def layer_kinds(config) -> tuple[str, ...]:
-    kinds = tuple(config.layer_types[: config.num_hidden_layers])
-    bad = sorted(set(kinds) - {LINEAR, ATTN})
-    if bad:
-        raise ValueError(f"static cache supports {LINEAR} and {ATTN} layers only, not {bad}")
-    return kinds
+from engine.model import Tokens, _parts, cache_kw, gaussian_logq, left_pad, sampling_loop, thought_mean
+from engine.prefix_cache import ATTN, LINEAR, layer_kinds
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -441,7 +421,6 @@ class _StaticDecoder:
             raise ValueError("graphed=True needs the model on a CUDA device; use graphed=False on CPU")
         self.graphed = bool(graphed)
         self.capacity = int(capacity)
-        self.kw = cache_kwarg(self.text)
         self.attn_impl = getattr(self.text.config, "_attn_implementation", "sdpa") or "sdpa"
         if attention not in ("gqa", "hf"):
             raise ValueError("attention must be 'gqa' (grouped, no repeat_kv copies) or 'hf' (the model's own)")
@@ -499,9 +478,9 @@ class _StaticDecoder:
         if self.attention == "gqa":
             with _AttentionOverride(self.attn_impl):
                 out = self.text(inputs_embeds=x, attention_mask=masks, position_ids=pos, use_cache=True,
-                                **{self.kw: c})
+                                **cache_kw(c))
         else:
-            out = self.text(inputs_embeds=x, attention_mask=masks, position_ids=pos, use_cache=True, **{self.kw: c})
+            out = self.text(inputs_embeds=x, attention_mask=masks, position_ids=pos, use_cache=True, **cache_kw(c))
         c.cursor.add_(n)
         return out.last_hidden_state[:, -1]
 

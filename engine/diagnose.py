@@ -27,27 +27,36 @@ def teacher_forced(model, prefixes: list[list[int]], thoughts: list[torch.Tensor
     return [torch.log_softmax(head(hid[i, S - len(a):]).float() / temperature, -1) for i, a in enumerate(answers)]
 
 
+def _forced_answer(model, h: torch.Tensor, answer: list[int], temperature: float, feed) -> torch.Tensor:
+    """Teacher forcing after the prompt: the (L, V) post-temperature log-softmax at each answer position, where h is
+    the prompt's last hidden state (1, d) and feed(embedding (1, 1, d)) advances the decoder and returns the next h."""
+    _, head, emb = M._parts(model)
+    out = []
+    for i, tok in enumerate(answer):
+        out.append(torch.log_softmax(head(h).float() / temperature, -1)[0])
+        if i == len(answer) - 1:
+            break
+        h = feed(emb(torch.tensor([[tok]], device=h.device)))
+    return torch.stack(out)
+
+
 @torch.no_grad()
 def cached_decode(model, prefix: list[int], thoughts: torch.Tensor, answer: list[int], temperature: float,
                   toks: M.Tokens) -> torch.Tensor:
     """The sampler's incremental path, teacher-forced: (L, V) post-temperature log-softmax, batch 1."""
     from transformers import DynamicCache
 
-    text, head, emb = M._parts(model)
+    text, _, _ = M._parts(model)
     x = M.prompt_embeddings(model, prefix, thoughts, toks)[None]
-    n = x.shape[1]
     cache = DynamicCache(config=text.config)
-    pos = torch.arange(n, device=x.device)[None]
-    h = text(inputs_embeds=x, position_ids=pos, **M.cache_kw(cache), use_cache=True).last_hidden_state[:, -1]
-    out = []
-    for i, tok in enumerate(answer):
-        out.append(torch.log_softmax(head(h).float() / temperature, -1)[0])
-        if i == len(answer) - 1:
-            break
-        pos = pos[:, -1:] + 1
-        h = text(inputs_embeds=emb(torch.tensor([[tok]], device=x.device)), position_ids=pos, **M.cache_kw(cache),
-                 use_cache=True).last_hidden_state[:, -1]
-    return torch.stack(out)
+    state = {"pos": torch.arange(x.shape[1], device=x.device)[None]}
+
+    def run(e: torch.Tensor) -> torch.Tensor:
+        out = text(inputs_embeds=e, position_ids=state["pos"], **M.cache_kw(cache), use_cache=True)
+        state["pos"] = state["pos"][:, -1:] + 1
+        return out.last_hidden_state[:, -1]
+
+    return _forced_answer(model, run(x), answer, temperature, run)
 
 
 @torch.no_grad()
@@ -57,19 +66,18 @@ def prefix_cached_decode(model, prefix: list[int], thoughts: torch.Tensor, answe
     into `cache` (None: computed alone), <think> ⊕ z ⊕ </think> as one chunk, then the answer tokens. (L, V)."""
     from engine import prefix_cache as PC
 
-    text, head, emb = M._parts(model)
+    text, _, emb = M._parts(model)
     dev = emb.weight.device
     kv, mask, pos = PC.stack_rows(PC.prefill_rows(model, [prefix], cache))
+    state = {"mask": mask, "pos": pos}
+
+    def run(e: torch.Tensor) -> torch.Tensor:
+        h, state["mask"], state["pos"] = PC._decode_step(text, e, kv, state["mask"], state["pos"])
+        return h
+
     x = torch.cat([emb(torch.tensor([[toks.think]], device=dev)), thoughts.to(device=dev, dtype=emb.weight.dtype)[None],
                    emb(torch.tensor([[toks.answer_open]], device=dev))], 1)
-    h, mask, pos = PC._decode_step(text, x, kv, mask, pos)
-    out = []
-    for i, tok in enumerate(answer):
-        out.append(torch.log_softmax(head(h).float() / temperature, -1)[0])
-        if i == len(answer) - 1:
-            break
-        h, mask, pos = PC._decode_step(text, emb(torch.tensor([[tok]], device=dev)), kv, mask, pos)
-    return torch.stack(out)
+    return _forced_answer(model, run(x), answer, temperature, run)
 
 
 def adapter_modules(model) -> dict[str, torch.nn.Module]:

@@ -88,7 +88,7 @@ def layer_kinds(config) -> tuple[str, ...]:
     kinds = tuple(config.layer_types[: config.num_hidden_layers])
     bad = sorted(set(kinds) - {LINEAR, ATTN})
     if bad:
-        raise ValueError(f"prefix cache supports {LINEAR} and {ATTN} layers only, not {bad}")
+        raise ValueError(f"the prefix and static caches support {LINEAR} and {ATTN} layers only, not {bad}")
     return kinds
 
 

@@ -105,11 +105,9 @@ def loss_inputs(cfg, rollouts_in: str, replay_in: str, old_replay_in: str) -> Lo
     old_turn = _thoughts_then_answer(old, "trainer_logq", "trainer_logps")
     recorded = to_tensor_list(roll, "thought_logq", torch.float32)
     thought_gap = max((float((r - o[:K]).abs().max()) for r, o in zip(recorded, old_turn) if K), default=0.0)
-    if g.thought_sampling_logq == "replay":  # thoughts: the trainer's own (old) replay values; answers: the sampler's
-        samp_turn = [torch.cat([o[:K], a]) for o, a in zip(old_turn, to_tensor_list(roll, "sampler_logps",
-                                                                                     torch.float32))]
-    else:
-        samp_turn = _thoughts_then_answer(roll, "thought_logq", "sampler_logps")
+    # the thoughts' sampling density: the trainer's own (old) replay value, or the one the latent loop recorded
+    samp_q = [o[:K] for o in old_turn] if g.thought_sampling_logq == "replay" else recorded
+    samp_turn = [torch.cat([q, a]) for q, a in zip(samp_q, to_tensor_list(roll, "sampler_logps", torch.float32))]
     keep = [torch.tensor(k, dtype=torch.float32) for k in old.column("loss_mask").to_pylist()]
     mask_turn = [torch.cat([torch.ones(K), k]) for k in keep]
     _, mask = to_sequences(rows, lp_turn, n_rows)  # (B, T)

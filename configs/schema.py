@@ -32,6 +32,10 @@ class ModelConfig(_Strict):
         "float32", description="compute dtype of the frozen base (bf16 on GPU; fp32 is faster on CPU)"
     )
     quantization: Literal["none", "nf4"] = "none"
+    gdn_kernels: Literal["auto", "torch", "fla"] = Field(
+        "auto", description="Gated DeltaNet kernels (engine/gdn.py): auto = fla's where they qualify against the "
+                            "PyTorch reference on this GPU and these versions, the reference elsewhere (one log line "
+                            "says which); torch = the reference always; fla = fla's or fail")
     init_seed: int = Field(0, description="seed of the random initialization (tiny / random)")
 
 
@@ -93,6 +97,49 @@ class GenerationConfig(_Strict):
     prefix_cache_mb: int = Field(2048, ge=1, description="memory bound of each engine's prefix cache (LRU eviction)")
     cuda_graphs: bool = Field(True, description="device=cuda: latent loop and hf-sampler decode on a static cache "
                                                 "with CUDA-graph replay (ignored on the CPU)")
+
+
+class ReplayConfig(_Strict):
+    """Replay memory policy (engine/replay.py): micro-batches of whole turns, tiers by cumulative tokens per device
+    (graph kept -> activation checkpointing -> two-pass), and a preflight that refuses a plan that cannot fit."""
+
+    microbatch_tokens: int | None = Field(
+        None, ge=1, description="padded tokens (rows x longest turn) per micro-batch; a longer turn gets one of its "
+                                "own, never split. None: auto_microbatch_tokens, lowered by the preflight to what fits")
+    auto_microbatch_tokens: int = Field(8192, ge=1, description="the micro-batch size when microbatch_tokens is None")
+    keep_graph_tokens: int | None = Field(
+        None, ge=0, description="tier 1: the first this-many replayed tokens per device keep their whole autograd "
+                                "graph until optimize (fastest, most memory). None: as many as the preflight finds room "
+                                "for (all of them when there is no budget, e.g. on the CPU)")
+    checkpoint_tokens: int | None = Field(
+        None, ge=0, description="tier 2: cumulative tokens up to this count use activation checkpointing per decoder "
+                                "layer (layer inputs kept, forward recomputed in backward); tokens beyond go two-pass "
+                                "(scored without a graph, re-forwarded and back-propagated one micro-batch at a time in "
+                                "optimize, checked bit for bit). None: as many as fit")
+    memory_budget_gb: float | None = Field(
+        None, gt=0, description="device memory the preflight plans for; None: memory_fraction of the GPU (no budget "
+                                "on the CPU unless set here)")
+    memory_fraction: float = Field(0.92, gt=0, le=1, description="share of the GPU's memory the preflight plans for")
+    transient_share: float = Field(0.25, gt=0, le=1, description="auto micro-batch size: at most this share of the "
+                                                                  "free memory in flight at once")
+    token_costs_mb: dict[Literal["keep", "checkpoint", "transient"], float] | None = Field(
+        None, description="bytes per token (MB) of the tiers, e.g. from bench/replay_27b.py; None: measured once per "
+                          "engine on a GPU, estimated from the architecture elsewhere")
+    logprob_chunk: int = Field(32768, ge=256, description="vocabulary rows per chunk of the selected-token log-probs "
+                                                         "(never the full FP32 logits of a turn)")
+    adapter_forward: Literal["lean", "peft"] = Field(
+        "lean", description="lean: PEFT's forward arithmetic with a backward that keeps only BF16 inputs and rank-r "
+                            "FP32 intermediates (engine/adapter_grad.py); peft: PEFT's own autograd (FP32 input copies)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ReplayConfig":
+        if self.token_costs_mb is not None and set(self.token_costs_mb) != {"keep", "checkpoint", "transient"}:
+            raise ValueError("replay.token_costs_mb needs all of keep, checkpoint, transient (MB per token)")
+        if (self.keep_graph_tokens is not None and self.checkpoint_tokens is not None
+                and self.checkpoint_tokens < self.keep_graph_tokens):
+            raise ValueError(f"replay.checkpoint_tokens={self.checkpoint_tokens} is below replay.keep_graph_tokens="
+                             f"{self.keep_graph_tokens}: it counts cumulative tokens, so set it >= keep_graph_tokens")
+        return self
 
 
 class FaultConfig(_Strict):
@@ -243,6 +290,7 @@ class RunConfig(_Strict):
     latent: LatentConfig = LatentConfig()
     sampler: SamplerConfig = SamplerConfig()
     generation: GenerationConfig = GenerationConfig()
+    replay: ReplayConfig = ReplayConfig()
     gym: GymConfig = GymConfig()
     bootstrap: BootstrapConfig = BootstrapConfig()
     grpo: GRPOConfig = GRPOConfig()

@@ -294,16 +294,18 @@ def turn_hidden(model, prefixes: list[list[int]], thoughts: list[torch.Tensor], 
         e_head, e_tail = emb(head_ids), emb(tail_ids)
         seqs.append(torch.cat([e_head, z.to(device=dev, dtype=e_head.dtype), e_tail], 0))
     x, mask, pos = left_pad(seqs)
-    return text(inputs_embeds=x, attention_mask=mask, position_ids=pos).last_hidden_state
+    return text(inputs_embeds=x, attention_mask=mask, position_ids=pos, use_cache=False).last_hidden_state
 
 
 def score_turns(model, prefixes: list[list[int]], thoughts: list[torch.Tensor], answers: list[list[int]],
-                temperature: float, sigma: float, scale: float, toks: Tokens
+                temperature: float, sigma: float, scale: float, toks: Tokens, logprob_chunk: int | None = None
                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Re-score turns: input = embed(prefix ⊕ <think>) ⊕ z_1..z_K ⊕ embed(</think> ⊕ a_1..a_{L-1}).
 
     Returns per-turn answer-token log-probs [(L_i,)] (post-temperature, fp32) and thought log-densities (B, K)
     under the current weights; saved thoughts are inputs, so gradients reach the adapter through mu_k(theta).
+    logprob_chunk: compute the answer log-probs from vocabulary chunks of this many rows (engine.logprobs; the LM
+    head must be frozen); None: the full FP32 log-softmax (the bootstrap, which trains the head).
     """
     _, head, _ = _parts(model)
     B = len(prefixes)
@@ -320,8 +322,14 @@ def score_turns(model, prefixes: list[list[int]], thoughts: list[torch.Tensor], 
             t0 = S - L - 1 - K  # index of <think>
             mu = thought_mean(hid[i, t0:t0 + K], scale)  # (K, d)
             logq.append(gaussian_logq(z.to(mu.device).float(), mu, sigma))
-        logits = head(hid[i, start_ans:]).float() / temperature  # (L, V)
-        lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(a, device=logits.device)[:, None])[:, 0]
+        tgt = torch.tensor(a, device=hid.device)
+        if logprob_chunk is None:
+            logits = head(hid[i, start_ans:]).float() / temperature  # (L, V)
+            lp = torch.log_softmax(logits, -1).gather(1, tgt[:, None])[:, 0]
+        else:
+            from engine.logprobs import selected_logprobs
+
+            lp = selected_logprobs(hid[i, start_ans:], head.weight, tgt, temperature, logprob_chunk)  # (L,)
         ans_lp.append(lp)
     lq = torch.stack(logq) if K else torch.zeros(B, 0, device=hid.device)
     return ans_lp, lq

@@ -1,19 +1,35 @@
-"""Replay: re-score stored turns with gradients, and lay per-turn terms out as GRPO sequences.
+"""Replay: re-score stored turns with gradients, plan its memory, and lay per-turn terms out as GRPO sequences.
 
 A rollout's GRPO "completion" is the concatenation over its turns of [thought terms (K), answer tokens (L)]:
 thought terms carry log q(z_k) under the current policy (behaviour: the generation-time density), answer tokens
 carry log pi(a_i) (behaviour: the sampler's log-prob). One advantage per rollout, as in TRL.
+
+Memory policy (the run's ``replay:`` config). Replay is planned before it runs:
+    pack        micro-batches of whole turns by padded token count (rows x longest), longest turns first, short
+                turns of several groups sharing one; a turn is never split.
+    tiers       by cumulative tokens on the device: keep the whole autograd graph until optimize (fastest), then
+                activation checkpointing per decoder layer (keeps layer inputs only), then two-pass: scored without
+                a graph; optimize re-forwards each such micro-batch with its gradient weights and back-propagates it
+                at once, after checking the re-forward equals the first pass bit for bit (gate replay-determinism).
+    preflight   peak = resident + kept graph of the keep/checkpoint tiers + the micro-batch in flight, from bytes
+                per token measured on the device (CUDA allocator, one probe turn per engine), given in the config,
+                or estimated from the architecture; a plan that cannot fit stops before replay with a message that
+                names the setting to change (never an out-of-memory error halfway through a step).
+Scoring uses engine.adapter_grad (PEFT's forward arithmetic with a lean backward) and engine.logprobs (selected-token
+log-probs from vocabulary chunks) unless ``replay.adapter_forward: peft``.
 """
 
 from __future__ import annotations
 
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from engine import model as M
 
-MAX_TOKENS_PER_MICROBATCH = 8192
+TIERS = ("keep", "checkpoint", "two_pass")
+GiB = 2**30
 
 
 @dataclass
@@ -29,24 +45,314 @@ class Turns:
         return [len(p) + z.shape[0] + len(a) + 1 for p, z, a in zip(self.prefixes, self.thoughts, self.answers)]
 
 
-def microbatches(lengths: list[int], max_tokens: int = MAX_TOKENS_PER_MICROBATCH) -> list[list[int]]:
-    """Consecutive index groups whose padded size (n * longest) stays within max_tokens. Deterministic."""
-    out, cur, longest = [], [], 0
-    for i, n in enumerate(lengths):
-        if cur and max(longest, n) * (len(cur) + 1) > max_tokens:
-            out.append(cur)
-            cur, longest = [], 0
-        cur.append(i)
-        longest = max(longest, n)
-    if cur:
-        out.append(cur)
-    return out
+# ----------------------------------------------------------------------------------------------------------------
+# the plan: micro-batches of whole turns, a memory tier per micro-batch, and the preflight
 
 
-def score_microbatch(engine, turns: Turns, idx: list[int], temperature: float, sigma: float):
-    """Per-turn answer log-probs [(L,)] and thought log-densities (n, K) for turns `idx` (graph kept if enabled)."""
-    return M.score_turns(engine.model, [turns.prefixes[i] for i in idx], [turns.thoughts[i] for i in idx],
-                         [turns.answers[i] for i in idx], temperature, sigma, engine.scale, engine.toks)
+class ReplayMemoryError(RuntimeError):
+    """The planned replay cannot fit the device; the message names the setting to change. Raised before replay."""
+
+
+@dataclass(frozen=True)
+class TokenCosts:
+    """Bytes per replayed (padded) token, per tier, of one engine on one device.
+
+    keep        autograd graph kept per token without checkpointing (held until optimize back-propagates it)
+    checkpoint  kept per token with activation checkpointing per decoder layer (layer inputs only)
+    transient   extra bytes per token of the micro-batch in flight (its forward / one layer's recompute and its
+                backward), on top of what is kept"""
+
+    keep: float
+    checkpoint: float
+    transient: float
+    source: str  # measured (CUDA allocator, measure_costs) | estimated (architecture) | config
+    fixed: float = 0.0  # size-independent bytes in flight (e.g. one dequantized NF4 weight), added once
+
+    def as_dict(self) -> dict:
+        return {"keep_mb": self.keep / 2**20, "checkpoint_mb": self.checkpoint / 2**20,
+                "transient_mb": self.transient / 2**20, "fixed_gb": self.fixed / GiB, "source": self.source}
+
+
+@dataclass
+class ReplayPlan:
+    """Micro-batches (turn indices), their padded token counts and tiers, and the preflight's peak estimate."""
+
+    microbatches: list[list[int]]
+    tokens: list[int]
+    tiers: list[str]
+    est_peak_bytes: float | None = None
+    budget_bytes: float | None = None
+    base_bytes: float | None = None
+    costs: TokenCosts | None = None
+
+    def summary(self) -> dict:
+        out = {"microbatches": len(self.microbatches),
+               "tier_tokens": {t: sum(n for n, x in zip(self.tokens, self.tiers) if x == t) for t in TIERS},
+               "tier_microbatches": {t: self.tiers.count(t) for t in TIERS}}
+        if self.est_peak_bytes is not None:
+            out["est_peak_gb"] = round(self.est_peak_bytes / GiB, 3)
+        if self.budget_bytes is not None:
+            out["budget_gb"] = round(self.budget_bytes / GiB, 3)
+        if self.costs is not None:
+            out["token_costs"] = {k: (round(v, 4) if isinstance(v, float) else v)
+                                  for k, v in self.costs.as_dict().items()}
+        return out
+
+
+def pack(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Micro-batches of whole turns whose padded size (rows x longest) stays within max_tokens.
+
+    Turns are taken longest first (ties in stored order) and each goes to the first micro-batch it fits, so turns of
+    similar length share one (little left padding) and short turns of several groups fill one. A turn is never
+    split: one longer than max_tokens gets a micro-batch of its own. Deterministic in (lengths, max_tokens), so
+    optimize re-derives exactly the plan replay ran. Indices inside a micro-batch are in stored order."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    longest: list[int] = []
+    for i in order:
+        for b in range(len(bins)):
+            if max(longest[b], lengths[i]) * (len(bins[b]) + 1) <= max_tokens:
+                bins[b].append(i)
+                longest[b] = max(longest[b], lengths[i])
+                break
+        else:
+            bins.append([i])
+            longest.append(lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def padded_tokens(lengths: list[int], idx: list[int]) -> int:
+    return len(idx) * max(lengths[i] for i in idx)
+
+
+def plan_replay(lengths: list[int], rc, costs: TokenCosts | None = None, base_bytes: float = 0.0,
+                budget_bytes: float | None = None) -> ReplayPlan:
+    """Pack micro-batches and choose a tier for each by cumulative tokens on this device; check that the plan fits.
+
+    rc: the run's ``replay`` config. Tiers in order: keep the graph while the cumulative tokens stay within
+    ``keep_graph_tokens`` (and, when that is unset, while the estimate fits), then activation checkpointing within
+    ``checkpoint_tokens`` (likewise), then two-pass. Without a budget or costs (the CPU default) unset caps mean
+    "all": every micro-batch keeps its graph. Raises ReplayMemoryError naming the setting to change when the plan
+    cannot fit."""
+    if not lengths:
+        return ReplayPlan([], [], [])
+    known = budget_bytes is not None and costs is not None
+    mb_tokens = rc.microbatch_tokens
+    if mb_tokens is None:
+        mb_tokens = rc.auto_microbatch_tokens
+        if known:  # the micro-batch in flight takes at most transient_share of the free memory
+            room = (budget_bytes - base_bytes - costs.fixed) * rc.transient_share
+            mb_tokens = max(1, min(mb_tokens, int(room / max(costs.transient, 1.0))))
+    mbs = pack(lengths, mb_tokens)
+    tokens = [padded_tokens(lengths, idx) for idx in mbs]
+    plan = ReplayPlan(mbs, tokens, ["keep"] * len(mbs), budget_bytes=budget_bytes, base_bytes=base_bytes, costs=costs)
+    inf = float("inf")
+    if not known:
+        keep_cap = inf if rc.keep_graph_tokens is None else rc.keep_graph_tokens
+        ckpt_cap = inf if rc.checkpoint_tokens is None else rc.checkpoint_tokens
+        cum = 0
+        for j, n in enumerate(tokens):
+            cum += n
+            plan.tiers[j] = "keep" if cum <= keep_cap else ("checkpoint" if cum <= ckpt_cap else "two_pass")
+        return plan
+    transient = costs.transient * max(tokens) + costs.fixed
+    if base_bytes + transient > budget_bytes:
+        longest = max(lengths)
+        what = (f"one turn of {longest} tokens needs {transient / GiB:.1f} GiB in flight: shorten episodes "
+                "(gym.token_budget) or raise replay.memory_budget_gb" if max(tokens) == longest else
+                f"micro-batches of {max(tokens)} tokens need {transient / GiB:.1f} GiB in flight: lower "
+                "replay.microbatch_tokens")
+        raise ReplayMemoryError(
+            f"replay preflight: {base_bytes / GiB:.1f} GiB resident + {transient / GiB:.1f} GiB in flight exceeds "
+            f"the budget of {budget_bytes / GiB:.1f} GiB; {what}")
+    kept, cum = 0.0, 0
+    for j, n in enumerate(tokens):
+        cum += n
+        room = budget_bytes - base_bytes - transient - kept
+        if (cum <= rc.keep_graph_tokens) if rc.keep_graph_tokens is not None else costs.keep * n <= room:
+            plan.tiers[j], kept = "keep", kept + costs.keep * n
+        elif (cum <= rc.checkpoint_tokens) if rc.checkpoint_tokens is not None else costs.checkpoint * n <= room:
+            plan.tiers[j], kept = "checkpoint", kept + costs.checkpoint * n
+        else:
+            plan.tiers[j] = "two_pass"
+    plan.est_peak_bytes = base_bytes + kept + transient
+    if plan.est_peak_bytes > budget_bytes:
+        tt = plan.summary()["tier_tokens"]
+        setting = "replay.keep_graph_tokens" if tt["keep"] and rc.keep_graph_tokens is not None else \
+            "replay.checkpoint_tokens"
+        raise ReplayMemoryError(
+            f"replay preflight: the plan keeps {kept / GiB:.1f} GiB of graph (tokens per tier {tt}) and peaks at an "
+            f"estimated {plan.est_peak_bytes / GiB:.1f} GiB, over the budget of {budget_bytes / GiB:.1f} GiB: lower "
+            f"{setting}, or leave it unset to let the preflight choose")
+    return plan
+
+
+def estimate_costs(model) -> TokenCosts:
+    """Bytes per token from the architecture, for devices without an allocator to measure (the CPU): a coarse guide.
+
+    keep: ~24 hidden-size and 3 intermediate-size activations per decoder layer in the compute dtype; checkpoint: one
+    hidden state per layer; transient: one layer's keep cost plus FP32 input gradients."""
+    text, _, emb = M._parts(model)
+    cfg = text.config
+    b = torch.finfo(emb.weight.dtype).bits // 8
+    per_layer = (24 * cfg.hidden_size + 3 * cfg.intermediate_size) * b
+    return TokenCosts(keep=float(per_layer * cfg.num_hidden_layers),
+                      checkpoint=float(cfg.hidden_size * b * (cfg.num_hidden_layers + 2)),
+                      transient=float(per_layer + 4 * cfg.hidden_size * 4), source="estimated")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# scoring
+
+
+@contextmanager
+def checkpointed_layers(model, context=None):
+    """Activation checkpointing per decoder layer (non-reentrant): a layer keeps only its inputs; backward
+    recomputes its forward with the same kernels, so values are bit-identical to the plain forward.
+
+    context: a factory of the context manager the layer ran under (the replay adapter's forwards); the recompute in
+    backward runs outside the caller's `with` block, so it enters the same context again itself."""
+    from contextlib import nullcontext
+
+    from torch.utils.checkpoint import checkpoint
+
+    layers = list(M._parts(model)[0].layers)
+    ctx = context or nullcontext
+    for layer in layers:
+        orig = layer.forward
+
+        def run(*args, _orig=orig, **kwargs):
+            with ctx():
+                return _orig(*args, **kwargs)
+
+        def fwd(*args, _run=run, **kwargs):
+            return checkpoint(_run, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = fwd
+    try:
+        yield
+    finally:
+        for layer in layers:
+            if "forward" in layer.__dict__:
+                del layer.forward
+
+
+def replay_adapter(engine):
+    """The engine's lean-backward adapter forwards (engine.adapter_grad), built on first use."""
+    ra = getattr(engine, "_replay_adapter", None)
+    if ra is None or ra.model is not engine.model:
+        from engine.adapter_grad import ReplayAdapter
+
+        ra = ReplayAdapter(engine.model)
+        engine._replay_adapter = ra
+    return ra
+
+
+def score_microbatch(engine, turns: Turns, idx: list[int], temperature: float, sigma: float, tier: str = "keep",
+                     rc=None):
+    """Per-turn answer log-probs [(L,)] and thought log-densities (n, K) for turns `idx`.
+
+    tier keep: the autograd graph is kept (grad mode permitting); checkpoint: per-layer activation checkpointing;
+    two_pass: the caller scores under no_grad now and re-forwards later. rc: the run's replay config (adapter
+    forward, log-prob chunk); None scores through PEFT's own forward and a full log-softmax."""
+    if tier not in TIERS:
+        raise ValueError(f"unknown replay tier {tier!r}: one of {TIERS}")
+    args = ([turns.prefixes[i] for i in idx], [turns.thoughts[i] for i in idx], [turns.answers[i] for i in idx],
+            temperature, sigma, engine.scale, engine.toks)
+    from contextlib import nullcontext
+
+    lean = rc is not None and rc.adapter_forward == "lean"
+    with ExitStack() as stack:
+        if lean:
+            stack.enter_context(replay_adapter(engine))
+        if tier in ("checkpoint", "two_pass") and torch.is_grad_enabled():
+            stack.enter_context(checkpointed_layers(engine.model, (lambda: replay_adapter(engine)) if lean else nullcontext))
+        return M.score_turns(engine.model, *args, logprob_chunk=None if rc is None else rc.logprob_chunk)
+
+
+@contextmanager
+def _fresh_grads(params):
+    """Back-propagate into fresh .grad tensors (so a measurement counts them), then restore the old ones."""
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
+
+
+def measure_costs(engine, turns: Turns, rc, temperature: float, sigma: float, probe_tokens: int = 1024
+                  ) -> TokenCosts:
+    """Bytes per token of each tier, measured with the CUDA allocator on probe turns of `probe_tokens` and twice that
+    (the first stored turn's prefix cut or repeated to length, its thoughts and answer): what stays allocated after
+    the forward (slope over the two sizes), and the peak above that during forward and backward (slope, plus the
+    size-independent part -- e.g. a dequantized NF4 weight -- as `fixed`). Leaves .grad as it was."""
+    dev = engine.device
+    if dev.type != "cuda":
+        raise ValueError("measure_costs needs the CUDA allocator; on the CPU use estimate_costs")
+    p0, z0, a0 = turns.prefixes[0], turns.thoughts[0], turns.answers[0]
+    params = [p for p in engine.model.parameters() if p.requires_grad]
+
+    def one(tier: str, tokens: int) -> tuple[float, float, int]:
+        n_prefix = max(1, tokens - z0.shape[0] - len(a0) - 1)
+        probe = Turns([(p0 * (n_prefix // max(1, len(p0)) + 1))[:n_prefix]], [z0], [a0], [0])
+        torch.cuda.synchronize(dev)
+        m0 = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        with torch.enable_grad():
+            a, q = score_microbatch(engine, probe, [0], temperature, sigma, tier, rc)
+            torch.cuda.synchronize(dev)
+            kept = torch.cuda.memory_allocated(dev) - m0
+            (a[0].sum() + q[0].sum()).backward()
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - m0
+        for p in params:
+            p.grad = None
+        return float(kept), float(peak - kept), probe.lengths()[0]
+
+    fits = {}
+    with _fresh_grads(params):
+        for tier in ("keep", "checkpoint"):
+            k1, t1, n1 = one(tier, probe_tokens)
+            k2, t2, n2 = one(tier, 2 * probe_tokens)
+            dn = max(1, n2 - n1)
+            ks, ts = max(0.0, (k2 - k1) / dn), max(0.0, (t2 - t1) / dn)
+            fits[tier] = (ks, ts, max(0.0, t2 - ts * n2), max(0.0, k2 - ks * n2))
+    keep, ckpt = fits["keep"], fits["checkpoint"]
+    # a two-pass micro-batch is re-forwarded with checkpointing: its checkpoint graph is in flight too
+    transient = max(keep[1], ckpt[1] + ckpt[0])
+    fixed = max(keep[2], ckpt[2] + ckpt[3])
+    return TokenCosts(keep=keep[0], checkpoint=ckpt[0], transient=transient, source="measured", fixed=fixed)
+
+
+def device_budget(engine, rc) -> tuple[float | None, float]:
+    """(budget bytes or None, bytes resident now) of the engine's device, for the preflight."""
+    dev = engine.device
+    resident = float(torch.cuda.memory_allocated(dev)) if dev.type == "cuda" else 0.0
+    if rc.memory_budget_gb is not None:
+        return rc.memory_budget_gb * GiB, resident
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).total_memory * rc.memory_fraction, resident
+    return None, resident
+
+
+def plan_for(engine, turns: Turns, rc, temperature: float, sigma: float) -> ReplayPlan:
+    """The replay plan of `turns` on this engine's device. Token costs: from the config, else measured once per
+    engine (CUDA) or estimated from the architecture, when there is a budget to plan against."""
+    budget, resident = device_budget(engine, rc)
+    costs = None
+    if rc.token_costs_mb is not None:
+        c = rc.token_costs_mb
+        costs = TokenCosts(c["keep"] * 2**20, c["checkpoint"] * 2**20, c["transient"] * 2**20, "config")
+    elif budget is not None:
+        costs = getattr(engine, "_replay_costs", None)
+        if costs is None:
+            costs = (measure_costs(engine, turns, rc, temperature, sigma) if engine.device.type == "cuda"
+                     else estimate_costs(engine.model))
+            engine._replay_costs = costs
+    return plan_replay(turns.lengths(), rc, costs, resident, budget)
 
 
 def to_sequences(rows: list[int], per_turn: list[torch.Tensor], n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,3 +378,19 @@ def from_sequences(rows: list[int], lengths: list[int], seq: torch.Tensor) -> li
         out.append(seq[r, offsets[r]: offsets[r] + n])
         offsets[r] += n
     return out
+
+
+class PeakMemory:
+    """Peak allocated device memory from construction on (CUDA; nothing on the CPU)."""
+
+    def __init__(self, dev: torch.device, reset: bool = True):
+        self.dev = dev
+        if dev.type == "cuda" and reset:
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+
+    def read(self, key: str) -> dict:
+        if self.dev.type != "cuda":
+            return {}
+        torch.cuda.synchronize(self.dev)
+        return {key: round(torch.cuda.max_memory_allocated(self.dev) / GiB, 3)}

@@ -113,6 +113,9 @@ def _build(model_dir: str | Path, tok_dir: str | Path, cfg, quantization: str = 
         base = load_base_nf4(model_dir, device=cfg.device)
     else:
         base = M.load_base(model_dir, cfg.model.dtype).to(cfg.device)
+    from engine import gdn
+
+    gdn.install(cfg.model.gdn_kernels, base.config, cfg.device)  # before the first forward, whatever transformers routes
     torch.manual_seed(cfg.seed)  # adapter init (overwritten by use_adapter anyway)
     model = M.attach_adapter(base, cfg.adapter)
     model.eval()

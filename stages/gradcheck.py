@@ -1,7 +1,7 @@
 """Gradient equivalence on a saved trajectory, and the seed's BF16-LoRA precision finding.
 
-* ``pipeline_gradients``: the production path in a given base dtype: replay scores every micro-batch with its
-  graph kept, the driver evaluates the loss on the detached log-probs (w = d loss / d logp) and the engine
+* ``pipeline_gradients``: the production path in a given base dtype: replay scores every micro-batch in its planned
+  tier (graph kept, activation checkpointing, or two-pass), the driver evaluates the loss on the detached log-probs (w = d loss / d logp) and the engine
   back-propagates Σ w·logp micro-batch by micro-batch, into FP32-master adapter weights (``stages.optimize``).
 * ``reference_gradients``: one full batch, every weight and activation in FP32, direct autograd of the
   same TRL loss (thought terms scaled by ``thought_loss_weight`` through a straight-through product).
@@ -17,7 +17,7 @@ import copy
 import torch
 
 from engine import model as M
-from engine.replay import microbatches, score_microbatch, to_sequences
+from engine.replay import plan_replay, score_microbatch, to_sequences
 from stages.optimize import LossInputs, accumulate_gradients, driver_weights
 
 REL_L2_MAX = 0.002  # the seed's gradient gate; never moved
@@ -52,21 +52,24 @@ def _zero(model) -> None:
             p.grad = torch.zeros_like(p)
 
 
-def pipeline_gradients(cfg, engine: _Engine, li: LossInputs) -> dict[str, torch.Tensor]:
-    """Replay (graph kept) + driver weights + micro-batched backward, as a fresh step runs them."""
+def pipeline_gradients(cfg, engine: _Engine, li: LossInputs, costs=None, budget: float | None = None
+                       ) -> dict[str, torch.Tensor]:
+    """Replay + driver weights + micro-batched backward, as a fresh step runs them, following the replay plan of
+    ``cfg.replay`` (tiers keep / checkpoint / two-pass; ``costs``/``budget`` as the preflight would see them)."""
     li = copy.copy(li)
     _zero(engine.model)
     live, lp_turn = [], [None] * len(li.rows)
-    with torch.enable_grad():
-        for idx in microbatches(li.turns.lengths()):
-            a, q = score_microbatch(engine, li.turns, idx, cfg.sampler.temperature, li.sigma)
-            live.append((idx, a, q))
-            for n, i in enumerate(idx):
-                lp_turn[i] = torch.cat([q[n].detach().float(), a[n].detach().float()])
+    plan = plan_replay(li.turns.lengths(), cfg.replay, costs, 0.0, budget)
+    for idx, tier in zip(plan.microbatches, plan.tiers):
+        with torch.set_grad_enabled(tier != "two_pass"):
+            a, q = score_microbatch(engine, li.turns, idx, cfg.sampler.temperature, li.sigma, tier, cfg.replay)
+        live.append((idx, a, q) if tier != "two_pass" else None)
+        for n, i in enumerate(idx):
+            lp_turn[i] = torch.cat([q[n].detach().float(), a[n].detach().float()])
     li.lp_turn = lp_turn
     li.old_lp = to_sequences(li.rows, lp_turn, li.n_rows)[0]  # a fresh step: the old policy is this replay
     w_thought, w_answer = driver_weights(cfg, li, {})
-    accumulate_gradients(cfg, engine, li, w_thought, w_answer, live=live)
+    accumulate_gradients(cfg, engine, li, w_thought, w_answer, live=live, plan=(plan.microbatches, plan.tiers))
     return adapter_grads(engine.model)
 
 

@@ -18,7 +18,7 @@ from artifacts import RunDir, read_table, read_tensors, to_tensor_list, write_ad
 from engine import gates
 from engine import model as M
 from engine.loss import grpo_loss, importance_sampling_ratio, token_weights
-from engine.replay import from_sequences, microbatches, score_microbatch, to_sequences
+from engine.replay import PeakMemory, from_sequences, score_microbatch, to_sequences
 from stages.context import run_config, timer
 from stages.replay import live_key, load_turns
 
@@ -133,19 +133,39 @@ def driver_weights(cfg, li: LossInputs, metrics: dict) -> tuple[list[torch.Tenso
     return [x[:li.K] * cfg.grpo.thought_loss_weight for x in w_turn], [x[li.K:] for x in w_turn]
 
 
-def accumulate_gradients(cfg, engine, li: LossInputs, w_thought, w_answer, live=None, step: int = -1) -> None:
-    """Back-propagate Σ w·logp micro-batch by micro-batch (live graph, or re-score + bitwise check) into .grad."""
-    for j, idx in enumerate(microbatches(li.turns.lengths())):
-        if live is not None:
-            _, a, q = live[j]
+def stored_plan(replay_in: str) -> tuple[list[list[int]], list[str]]:
+    """The micro-batches and tiers replay ran (replay.arrow metadata): optimize follows them exactly."""
+    meta = read_table(replay_in).schema.metadata or {}
+    if b"plan" not in meta:
+        raise ValueError(f"{replay_in} has no replay plan in its metadata: it was written by an older version; "
+                         "re-run the step from replay (lgrpo rerun --stage replay)")
+    plan = json.loads(meta[b"plan"])
+    return plan["microbatches"], plan["tiers"]
+
+
+def accumulate_gradients(cfg, engine, li: LossInputs, w_thought, w_answer, live=None, step: int = -1,
+                         plan: tuple[list[list[int]], list[str]] | None = None) -> None:
+    """Back-propagate Σ w·logp micro-batch by micro-batch into .grad, following replay's plan.
+
+    A micro-batch with a live graph (keep / checkpoint tiers) back-propagates it; one without (two-pass tier, or no
+    live graph at all: a rerun, a restarted worker) is re-forwarded with gradients -- two-pass ones with activation
+    checkpointing -- checked bit for bit against the stored replay, and back-propagated at once."""
+    mbs, tiers = plan
+    for j, (idx, tier) in enumerate(zip(mbs, tiers)):
+        entry = live[j] if live is not None else None
+        if entry is not None:
+            _, a, q = entry
         else:
             with torch.enable_grad():
-                a, q = score_microbatch(engine, li.turns, idx, cfg.sampler.temperature, li.sigma)
+                a, q = score_microbatch(engine, li.turns, idx, cfg.sampler.temperature, li.sigma, tier, cfg.replay)
             _check_bitwise(step, idx, a, q, li.lp_turn)
         dev = a[0].device if a else torch.device("cpu")
         obj = sum((w_answer[i].to(dev) * a[n]).sum() + (w_thought[i].to(dev) * q[n]).sum()
                   for n, i in enumerate(idx))
         obj.backward()
+        del a, q, obj
+        if live is not None:
+            live[j] = None  # the graph is spent: free it now, not at the end of the step
 
 
 def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_replay_in: str, adapter_in: str,
@@ -172,7 +192,7 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
         live = engine.live.pop(live_key(rollouts_in, engine.adapter_digest), None)
         out["live_graph"] = live is not None
         with timer(out, "backward_s"):
-            accumulate_gradients(cfg, engine, li, w_thought, w_answer, live, step)
+            accumulate_gradients(cfg, engine, li, w_thought, w_answer, live, step, stored_plan(replay_in))
         grads = [p.grad for _, p in params]
         gnorm = float(torch.linalg.vector_norm(torch.stack([x.norm() for x in grads])))
         signal = bool((adv != 0).any()) and bool(mask.any())
@@ -192,6 +212,7 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
         metrics.update(grad_norm=gnorm, signal=signal, tokens=int(mask.sum()), rollouts=n_rows,
                        thought_logq_gap_max=li.thought_gap)
         write_json(rd.loss(step), metrics)
+        out.update(PeakMemory(engine.device, reset=False).read("peak_gb"))  # since replay began (same process)
         out.update(adapter=str(adapter_dir), adapter_digest=digest, optimizer=str(rd.optimizer(step)),
                    loss=metrics["loss"], grad_norm=gnorm, signal=signal, thought_logq_gap_max=li.thought_gap)
     return out

@@ -3,17 +3,24 @@
 Writes replay.arrow (per turn: trainer answer log-probs, thought log-densities, loss mask). On a fresh step it also
 runs the rollout parity gate (trainer vs sampler, same adapter): the report goes to parity.json and is appended
 to parity_history.jsonl; rare tokens above the per-token limit are masked out of the loss; a mean above its
-limit raises GateFailed. A reuse step appends the same measurement ungated (policy drift since sampling). The autograd graph stays with the engine for `optimize` (same process).
+limit raises GateFailed. A reuse step appends the same measurement ungated (policy drift since sampling).
+
+Memory: the plan (engine.replay.plan_for: micro-batches, a tier per micro-batch, the preflight) is made before any
+scoring and refuses, naming the setting, a replay that cannot fit. Graphs of the keep and checkpoint tiers stay with
+the engine for `optimize` (same process); two-pass micro-batches keep none. The summary carries the plan and, on a
+GPU, the peak memory the stage reached.
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import torch
 
 from artifacts import RunDir, append_jsonl, read_table, to_tensor_list, verify, write_json, write_table
 from engine import gates
-from engine.replay import Turns, microbatches, score_microbatch
+from engine.replay import PeakMemory, Turns, plan_for, score_microbatch
 from stages import faults
 from stages.context import run_config, timer
 
@@ -47,18 +54,22 @@ def replay(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: 
         engine = runtime.trainer(cfg, base_in, base_in)
         engine.use_adapter(adapter_in)
         engine.live.clear()
-        mbs = microbatches(turns.lengths())
+        plan = plan_for(engine, turns, cfg.replay, cfg.sampler.temperature, sigma)  # raises before any scoring
+        peak = PeakMemory(engine.device)  # replay + optimize peak, for the preflight's estimate
+        mbs = plan.microbatches
         ans_lp: list = [None] * len(turns.rows)
         logq: list = [None] * len(turns.rows)
         live = []
-        with torch.set_grad_enabled(keep_graph):
-            for idx in mbs:
-                a, q = score_microbatch(engine, turns, idx, cfg.sampler.temperature, sigma)
-                live.append((idx, a, q))
-                faults.maybe_kill("replay", step)
-                for j, i in enumerate(idx):
-                    ans_lp[i] = a[j].detach().cpu()
-                    logq[i] = q[j].detach().cpu()
+        for idx, tier in zip(mbs, plan.tiers):
+            # two-pass micro-batches keep no graph: optimize re-forwards them (and checks them bit for bit)
+            with torch.set_grad_enabled(keep_graph and tier != "two_pass"):
+                a, q = score_microbatch(engine, turns, idx, cfg.sampler.temperature, sigma, tier, cfg.replay)
+            live.append((idx, a, q) if keep_graph and tier != "two_pass" else None)
+            faults.maybe_kill("replay", step)
+            for j, i in enumerate(idx):
+                ans_lp[i] = a[j].detach().cpu()
+                logq[i] = q[j].detach().cpu()
+            del a, q
         trainer_lp = [x.tolist() for x in ans_lp]
         sampler_lp = table.column("sampler_logps").to_pylist()
         if fresh:
@@ -88,9 +99,9 @@ def replay(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: 
             "trainer_logq": [x.numpy().astype(np.float32) for x in logq],
             "loss_mask": [np.asarray(k, dtype=bool) for k in keep],
         }, metadata={"step": str(step), "fresh": str(fresh), "adapter": engine.adapter_digest,
-                     "microbatches": str(len(mbs))})
+                     "microbatches": str(len(mbs)), "plan": json.dumps({"microbatches": mbs, "tiers": plan.tiers})})
         if keep_graph:
             engine.live[live_key(rollouts_in, engine.adapter_digest)] = live
-        out.update(path=path, turns=len(turns.rows), microbatches=len(mbs),
-                   tokens=sum(turns.lengths()))
+        out.update(path=path, turns=len(turns.rows), microbatches=len(mbs), tokens=sum(turns.lengths()),
+                   plan=plan.summary(), **peak.read("peak_gb"))
     return out

@@ -1,0 +1,261 @@
+"""Replay at the Qwen3.5-27B text shape on one GPU: tiers, throughput, MFU, the preflight's estimate vs the peak.
+
+    python bench/replay_27b.py --tokens 8192 --shapes 4x4 16x4 --gradcheck-layers 4 --out F.json
+
+Model: random weights of the 27B text shape (BF16 base, 64 layers = 48 GDN + 16 attention, hidden 5120, vocabulary
+248,320), DoRA r16 on the 10 default targets with FP32 masters (non-zero B), GDN kernels chosen by engine/gdn.py.
+Scoring and backward go through the project's own functions: engine.replay.score_microbatch (lean adapter backward,
+chunked log-probs, the tier's checkpointing) and stages.optimize.accumulate_gradients (Σ w·logp per micro-batch;
+two-pass micro-batches re-forwarded and checked bit for bit).
+
+1. One turn of --tokens tokens (16 thoughts, 64 answer tokens) per tier: seconds for score + backward, tokens/s,
+   peak GB, MFU. FLOPs counted: forward 2·P·T (P = matmul parameters of the decoder and the LM head rows used) plus
+   causal attention 2·T²·(q heads·head_dim) per attention layer; backward of a frozen base computes input gradients
+   only: the same again (no weight-gradient matmuls; LoRA's are negligible); checkpointing and two-pass re-run the
+   forward, which is counted as time, not as useful FLOPs. Peak rate: 989 TFLOP/s (H200 dense BF16).
+2. Recipe shapes ROWSxTURNS (3,072-token prompt, each turn adds 64 answer + 128 tool tokens): the preflight's plan
+   (tiers, estimated peak from token costs measured on this GPU) against the peak measured while the plan runs.
+3. Gradient equivalence at the 27B width with --gradcheck-layers layers: BF16 base + FP32 masters through the
+   pipeline (every tier) against the same weights in FP32 through PEFT's forward (gate: relative L2 <= 0.002).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+PEAK_FLOPS = 989e12
+PAD, EOS, THINK, ANSWER_OPEN = 0, 1, 2, 3
+
+
+class Eng:
+    def __init__(self, model):
+        from engine import model as M
+
+        self.model, self.toks, self.scale = model, M.Tokens(PAD, EOS, THINK, ANSWER_OPEN), M.embed_scale(model)
+
+    @property
+    def device(self):
+        from engine import model as M
+
+        return M._parts(self.model)[2].weight.device
+
+
+def make_turns(lengths_prefix: list[int], K: int, L: int, d: int, vocab: int, scale: float, seed: int):
+    import torch
+
+    from engine.replay import Turns
+
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(4, vocab, (max(lengths_prefix),), generator=g).tolist()
+    prefixes = [base[:n] for n in lengths_prefix]  # a group shares its prompt; turns extend it
+    answers = [torch.randint(4, vocab, (L,), generator=g).tolist() for _ in lengths_prefix]
+    thoughts = [torch.randn(K, d, generator=g) * scale for _ in lengths_prefix]
+    return Turns(prefixes, thoughts, answers, list(range(len(lengths_prefix))))
+
+
+def flops(arch: dict, model, T: int, L: int) -> float:
+    """Useful FLOPs of one replayed turn: forward + input-gradient backward (see the module docstring)."""
+    from engine import model as M
+
+    text, head, _ = M._parts(model)
+    import torch
+
+    P = sum(m.in_features * m.out_features for n, m in text.named_modules()
+            if (type(m) is torch.nn.Linear or type(m).__name__ == "Linear4bit") and "lora_" not in n)
+    n_attn = sum(1 for t in text.config.layer_types if t == "full_attention")
+    attn = 2 * T * T * arch["num_attention_heads"] * arch["head_dim"] * n_attn  # QK^T and PV, causal half
+    fwd = 2 * P * T + attn + 2 * head.in_features * head.out_features * L
+    return 2 * fwd
+
+
+def run_plan(eng, turns, rc, temperature: float = 1.0, sigma: float = 0.05, plan=None) -> dict:
+    """Score every micro-batch in its tier and back-propagate Σ w·logp, as the replay and optimize stages do."""
+    import torch
+
+    from engine.replay import plan_for, score_microbatch
+    from stages.optimize import accumulate_gradients
+
+    dev = eng.device
+    if plan is None:
+        plan = plan_for(eng, turns, rc, temperature, sigma)
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    t0 = time.perf_counter()
+    live, lp_turn = [], [None] * len(turns.rows)
+    for idx, tier in zip(plan.microbatches, plan.tiers):
+        with torch.set_grad_enabled(tier != "two_pass"):
+            a, q = score_microbatch(eng, turns, idx, temperature, sigma, tier, rc)
+        live.append((idx, a, q) if tier != "two_pass" else None)
+        for n, i in enumerate(idx):
+            lp_turn[i] = torch.cat([q[n].detach().float(), a[n].detach().float()]).cpu()
+    torch.cuda.synchronize(dev)
+    t1 = time.perf_counter()
+
+    class Cfg:
+        sampler = type("S", (), {"temperature": temperature})()
+        replay = rc
+
+    class LI:
+        pass
+
+    li = LI()
+    li.turns, li.sigma, li.lp_turn = turns, sigma, lp_turn
+    K = turns.thoughts[0].shape[0]
+    wq = [torch.full((K,), 1e-3) for _ in turns.rows]
+    wa = [torch.linspace(-1, 1, len(a)) for a in turns.answers]
+    accumulate_gradients(Cfg, eng, li, wq, wa, live=live, plan=(plan.microbatches, plan.tiers))
+    del live
+    torch.cuda.synchronize(dev)
+    t2 = time.perf_counter()
+    return {"score_s": round(t1 - t0, 3), "backward_s": round(t2 - t1, 3), "total_s": round(t2 - t0, 3),
+            "peak_gb": round(torch.cuda.max_memory_allocated(dev) / 2**30, 2), "plan": plan.summary(),
+            "tokens": sum(turns.lengths())}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="*", default=[8192])
+    p.add_argument("--tiers", nargs="+", default=["keep", "checkpoint", "two_pass"])
+    p.add_argument("--shapes", nargs="*", default=["4x4"], help="ROWSxTURNS recipe shapes for the preflight check")
+    p.add_argument("--gradcheck-layers", type=int, default=0)
+    p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (quick checks)")
+    p.add_argument("--gdn", default="auto", choices=["auto", "torch", "fla"])
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+
+    import torch
+
+    from configs.schema import ReplayConfig, load_config
+    from engine import gdn
+    from engine import model as M
+    from engine.replay import ReplayMemoryError
+    from recipe_27b import build_random, with_adapter
+
+    dev = torch.device("cuda")
+    cfg27 = load_config("qwen35-27b")
+    arch = dict(cfg27.model.arch)
+    if a.layers:
+        kinds = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+        arch.update(num_hidden_layers=a.layers, layer_types=[kinds[i % 4] for i in range(a.layers)])
+    vocab = arch["vocab_size"]
+    res: dict = {"args": vars(a), "versions": gdn.versions()}
+    t = time.perf_counter()
+    model = with_adapter(build_random(arch, vocab, dev, torch.bfloat16, 0), cfg27.adapter, 0)
+    res["build_s"] = round(time.perf_counter() - t, 1)
+    res["gdn"] = gdn.install(a.gdn, M._parts(model)[0].config, dev)
+    eng = Eng(model)
+    d = arch["hidden_size"]
+    res["resident_gb"] = round(torch.cuda.memory_allocated(dev) / 2**30, 2)
+
+    # 1. one long turn per tier ---------------------------------------------------------------------------------------
+    res["turns"] = []
+    for T in a.tokens:
+        turns = make_turns([T - 16 - 64 - 1], 16, 64, d, vocab, eng.scale, T)
+        F = flops(arch, model, T, 64)
+        for tier in a.tiers:
+            caps = {"keep": {}, "checkpoint": {"keep_graph_tokens": 0},
+                    "two_pass": {"keep_graph_tokens": 0, "checkpoint_tokens": 0}}[tier]
+            rc = ReplayConfig(**caps)
+            row = {"T": T, "tier": tier}
+            try:
+                from engine.replay import plan_for
+
+                plan = plan_for(eng, turns, rc, 1.0, 0.05)
+                if plan.tiers != [tier]:
+                    row["skipped"] = f"the preflight plans {plan.tiers} here (the tier does not fit)"
+                else:
+                    run_plan(eng, turns, rc, plan=plan)  # warm-up (kernel autotuning, allocator)
+                    r = run_plan(eng, turns, rc, plan=plan)
+                    row.update(r, tokens_per_s=round(T / r["total_s"], 1),
+                               mfu=round(F / r["total_s"] / PEAK_FLOPS, 4), useful_tflop=round(F / 1e12, 2),
+                               est_peak_gb=r["plan"].get("est_peak_gb"))
+            except (ReplayMemoryError, torch.OutOfMemoryError) as e:
+                row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            torch.cuda.empty_cache()
+            res["turns"].append(row)
+            print(json.dumps(row), flush=True)
+    res["token_costs"] = getattr(eng, "_replay_costs").as_dict() if hasattr(eng, "_replay_costs") else None
+
+    # 2. recipe shapes: preflight estimate vs measured peak -----------------------------------------------------------
+    res["shapes"] = []
+    for shape in a.shapes:
+        rows, n_turns = map(int, shape.split("x"))
+        prefix = [3072 + t * (64 + 128) for t in range(n_turns) for _ in range(rows)]
+        turns = make_turns(prefix, 16, 64, d, vocab, eng.scale, rows)
+        row = {"shape": shape, "rows": rows, "turns": n_turns}
+        try:
+            r = run_plan(eng, turns, ReplayConfig())
+            est = r["plan"].get("est_peak_gb")
+            row.update(r, tokens_per_s=round(r["tokens"] / r["total_s"], 1),
+                       est_vs_measured=None if est is None else round(est / r["peak_gb"], 3))
+        except (ReplayMemoryError, torch.OutOfMemoryError) as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        torch.cuda.empty_cache()
+        res["shapes"].append(row)
+        print(json.dumps(row), flush=True)
+
+    # 3. gradient equivalence at the 27B width, few layers ------------------------------------------------------------
+    if a.gradcheck_layers:
+        del model, eng
+        torch.cuda.empty_cache()
+        res["gradcheck"] = gradcheck(arch, cfg27, a.gradcheck_layers, dev)
+        print(json.dumps(res["gradcheck"]), flush=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    return res
+
+
+def gradcheck(arch: dict, cfg27, layers: int, dev) -> dict:
+    import torch
+
+    from configs.schema import ReplayConfig
+    from engine.replay import score_microbatch
+    from recipe_27b import build_random, with_adapter
+    from stages.gradcheck import compare
+
+    kinds = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+    arch = dict(arch, num_hidden_layers=layers, layer_types=[kinds[i % 4] for i in range(layers)])
+    vocab = arch["vocab_size"]
+    ref_model = with_adapter(build_random(arch, vocab, dev, torch.float32, 0), cfg27.adapter, 0)
+    bf = with_adapter(build_random(arch, vocab, dev, torch.bfloat16, 0, init=False), cfg27.adapter, 1)
+    bf.load_state_dict({k: v.to(torch.bfloat16) if not ("lora_" in k or "magnitude" in k) else v
+                        for k, v in ref_model.state_dict().items()})
+    ref_model.load_state_dict({k: (v.float() if ("lora_" in k or "magnitude" in k) else
+                                   v.to(torch.bfloat16).float()) for k, v in ref_model.state_dict().items()})
+    eng_ref, eng_bf = Eng(ref_model), Eng(bf)
+    turns = make_turns([1500, 1800, 2100, 2400], 16, 64, arch["hidden_size"], vocab, eng_ref.scale, 5)
+    wq = [torch.full((16,), 1e-3, device=dev) for _ in turns.rows]
+    wa = [torch.linspace(-1, 1, 64, device=dev) for _ in turns.rows]
+    for p_ in ref_model.parameters():
+        p_.grad = None
+    idx = list(range(len(turns.rows)))
+    from engine import gdn
+
+    chosen = gdn.chosen()
+    gdn.install("torch", ref_model.config, dev)  # the reference: PyTorch GDN in FP32
+    with torch.enable_grad():  # FP32 everything, PEFT's forward, full log-softmax, one batch
+        a, q = score_microbatch(eng_ref, turns, idx, 1.0, 0.05)
+        sum((wa[n] * a[n]).sum() + (wq[n] * q[n]).sum() for n in idx).backward()
+    ref = {n: p_.grad.double().cpu() for n, p_ in ref_model.named_parameters() if p_.requires_grad}
+    gdn.install("fla" if chosen.get("chunk") == "fla" else "torch", ref_model.config, dev)
+    out = {"layers": layers, "tokens": sum(turns.lengths()), "gdn": gdn.chosen()}
+    for tier, caps in (("keep", {}), ("checkpoint", {"keep_graph_tokens": 0}),
+                       ("two_pass", {"keep_graph_tokens": 0, "checkpoint_tokens": 0})):
+        for p_ in bf.parameters():
+            p_.grad = None
+        run_plan(eng_bf, turns, ReplayConfig(microbatch_tokens=4096, **caps))
+        got = {n: p_.grad.double().cpu() for n, p_ in bf.named_parameters() if p_.requires_grad}
+        c = compare(got, ref)
+        out[tier] = {k: c[k] for k in ("rel_l2", "tensors", "tensors_outside", "worst_tensor_rel_l2", "passed")}
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,355 @@
+"""Replay memory policy: the lean adapter backward, chunked log-probs, packing, tiers, two-pass and the preflight.
+
+References: PEFT's own forward and autograd (the adapter), torch.log_softmax (the chunked log-probs), and the FP32
+full-batch reference of stages.gradcheck (every tier; gate relative L2 <= 0.002, no tensor outside).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import model as M
+
+ARCH = {
+    "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 2, "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+}
+TOKS = M.Tokens(pad=0, eos=1, think=2, answer_open=3)
+
+
+def _model(adapter_type: str, dtype: str = "float32", seed: int = 0):
+    from configs.schema import AdapterConfig
+
+    torch.manual_seed(seed)
+    base = M.build_random_model(ARCH, 300, 0, 1, seed, dtype)
+    model = M.attach_adapter(base, AdapterConfig(type=adapter_type, rank=4, alpha=8))
+    with torch.no_grad():  # a trained-like adapter: non-zero B, magnitudes off their init
+        for n, p in model.named_parameters():
+            if p.requires_grad and "lora_B" in n:
+                p.normal_(0, 0.05)
+            elif p.requires_grad and "magnitude" in n:
+                p.mul_(1 + 0.1 * torch.randn_like(p))
+    model.eval()
+    return model
+
+
+def _turns(n: int = 5, seed: int = 1):
+    from engine.replay import Turns
+
+    g = torch.Generator().manual_seed(seed)
+    prefixes = [torch.randint(4, 300, (int(x),), generator=g).tolist() for x in torch.randint(10, 60, (n,), generator=g)]
+    answers = [torch.randint(4, 300, (int(x),), generator=g).tolist() for x in torch.randint(2, 9, (n,), generator=g)]
+    thoughts = [torch.randn(3, ARCH["hidden_size"], generator=g) for _ in range(n)]
+    return Turns(prefixes, thoughts, answers, list(range(n)))
+
+
+class _Eng:
+    def __init__(self, model):
+        self.model, self.toks, self.scale = model, TOKS, M.embed_scale(model)
+
+    @property
+    def device(self):
+        return torch.device("cpu")
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().double().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _zero(model):
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+
+
+def _objective(a, q, idx):
+    # a fixed, non-trivial weighting of every answer token and thought term (what optimize back-propagates)
+    return sum((a[n] * (1 + 0.1 * torch.arange(a[n].numel()))).sum() + 0.01 * (q[n] * (n + 1)).sum()
+               for n, _ in enumerate(idx))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the lean adapter backward vs PEFT
+
+
+@pytest.mark.parametrize("adapter_type", ["lora", "dora"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_replay_adapter_forward_is_peft_bit_for_bit_and_gradients_match(adapter_type, dtype):
+    from configs.schema import ReplayConfig
+    from engine.replay import score_microbatch
+
+    model = _model(adapter_type, dtype)
+    eng, turns = _Eng(model), _turns()
+    idx = list(range(len(turns.rows)))
+    _zero(model)
+    a0, q0 = score_microbatch(eng, turns, idx, 1.0, 0.05)  # PEFT's own forward and autograd
+    _objective(a0, q0, idx).backward()
+    g_peft = _grads(model)
+    _zero(model)
+    rc = ReplayConfig(adapter_forward="lean", logprob_chunk=300)  # one chunk: the log-softmax is the same op
+    a1, q1 = score_microbatch(eng, turns, idx, 1.0, 0.05, "keep", rc)
+    _objective(a1, q1, idx).backward()
+    g_lean = _grads(model)
+    # forward: PEFT's expression for expression; the hidden states (and thus mu, log q) are identical
+    assert torch.equal(q0.detach(), q1.detach())
+    assert max(float((x.detach() - y.detach()).abs().max()) for x, y in zip(a0, a1)) < 1e-5
+    def rel(g, ref):
+        num = sum(float((g[k] - ref[k]).pow(2).sum()) for k in ref) ** 0.5
+        return num / sum(float(ref[k].pow(2).sum()) for k in ref) ** 0.5
+
+    if dtype == "float32":  # only summation order differs
+        assert rel(g_lean, g_peft) < 1e-5, rel(g_lean, g_peft)
+        return
+    # BF16: both against the FP32 truth (same weights in FP32, PEFT's path). The lean path rounds the chunked
+    # log-prob's input gradient once after an FP32 product (PEFT's path rounds the logits' gradient to BF16 before
+    # the head's matmul), so it may differ from PEFT by BF16 noise but must be no less accurate.
+    ref_model = _model(adapter_type, "float32")
+    ref_model.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    _zero(ref_model)
+    a2, q2 = score_microbatch(_Eng(ref_model), turns, idx, 1.0, 0.05)
+    _objective(a2, q2, idx).backward()
+    g_ref = _grads(ref_model)
+    print(f"{adapter_type} bf16 vs fp32: peft {rel(g_peft, g_ref):.2e}, lean {rel(g_lean, g_ref):.2e}")
+    assert rel(g_lean, g_ref) <= 1.25 * rel(g_peft, g_ref) + 1e-4
+
+
+def test_replay_adapter_keeps_less_graph_than_peft():
+    """What autograd keeps per replayed token, counted through saved-tensor hooks (CPU stand-in for the GPU
+    allocator): the lean backward keeps no FP32 copy of a layer input or output."""
+    from configs.schema import ReplayConfig
+    from engine.replay import score_microbatch
+
+    model = _model("dora", "bfloat16")
+    eng, turns = _Eng(model), _turns(3)
+    idx = [0, 1, 2]
+
+    def saved_bytes(rc):
+        seen = {}
+
+        def pack(t):
+            seen[(t.untyped_storage().data_ptr(), t.dtype)] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            a, q = score_microbatch(eng, turns, idx, 1.0, 0.05, "keep", rc)
+        fp32 = sum(v for (p, dt), v in seen.items() if dt == torch.float32)
+        return sum(seen.values()), fp32
+
+    peft_all, peft_fp32 = saved_bytes(ReplayConfig(adapter_forward="peft"))
+    lean_all, lean_fp32 = saved_bytes(ReplayConfig(adapter_forward="lean"))
+    from engine.adapter_grad import adapter_layers
+
+    # PEFT keeps, per adapted layer, an FP32 copy of its input (tokens x in_features x 4 bytes); the lean path none
+    n_tok = len(idx) * max(turns.lengths()[i] for i in idx)
+    fp32_inputs = sum(n_tok * m.get_base_layer().in_features * 4 for m in adapter_layers(model).values())
+    print(f"saved: peft {peft_all} B ({peft_fp32} fp32), lean {lean_all} B ({lean_fp32} fp32); "
+          f"FP32 layer-input copies {fp32_inputs} B")
+    assert peft_fp32 - lean_fp32 >= 0.9 * fp32_inputs
+    assert lean_all < peft_all - 0.9 * fp32_inputs
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# chunked log-probs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_logprobs_equal_full_log_softmax_values_and_gradients(dtype):
+    from engine.logprobs import selected_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    V, d, N, T = 1000, 32, 7, 1.3
+    W = (torch.randn(V, d, generator=g) * 0.3).to(dtype)
+    h0 = (torch.randn(N, d, generator=g)).to(dtype)
+    tgt = torch.randint(0, V, (N,), generator=g)
+    w = torch.randn(N, generator=g)
+    h1 = h0.clone().requires_grad_(True)
+    ref = torch.log_softmax((h1 @ W.t()).float() / T, -1).gather(1, tgt[:, None])[:, 0]
+    (ref * w).sum().backward()
+    for chunk in (1000, 256, 300):  # one chunk, even chunks, a ragged last chunk
+        h2 = h0.clone().requires_grad_(True)
+        got = selected_logprobs(h2, W, tgt, T, chunk)
+        (got * w).sum().backward()
+        assert float((got - ref).abs().max()) < 1e-5
+        rel = float((h2.grad.float() - h1.grad.float()).norm() / h1.grad.float().norm())
+        assert rel < (1e-5 if dtype == torch.float32 else 1e-2), rel
+    with pytest.raises(ValueError, match="frozen"):
+        selected_logprobs(h0, W.clone().requires_grad_(True), tgt, T)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# packing, tiers, preflight
+
+
+def test_pack_keeps_turns_whole_fills_by_tokens_and_is_deterministic():
+    from engine.replay import pack, padded_tokens
+
+    lengths = [900, 120, 130, 880, 4000, 125, 60, 61, 62]
+    mbs = pack(lengths, 1024)
+    assert sorted(i for mb in mbs for i in mb) == list(range(len(lengths)))  # every turn exactly once
+    assert [4] in mbs  # longer than the budget: alone, never split
+    assert all(padded_tokens(lengths, mb) <= 1024 for mb in mbs if mb != [4])
+    assert any(len(mb) >= 4 for mb in mbs)  # short turns share a micro-batch
+    assert mbs == pack(list(lengths), 1024)
+
+
+def test_tiers_by_cumulative_tokens_without_a_budget():
+    from configs.schema import ReplayConfig
+    from engine.replay import plan_replay
+
+    lengths = [100] * 6
+    rc = ReplayConfig(microbatch_tokens=200, keep_graph_tokens=200, checkpoint_tokens=400)
+    plan = plan_replay(lengths, rc)
+    assert plan.tiers == ["keep", "checkpoint", "two_pass"] and plan.tokens == [200, 200, 200]
+    assert plan_replay(lengths, ReplayConfig(microbatch_tokens=200)).tiers == ["keep"] * 3  # the CPU default
+
+
+def test_preflight_picks_tiers_to_fit_and_refuses_what_cannot_fit_naming_the_setting():
+    from configs.schema import ReplayConfig
+    from engine.replay import ReplayMemoryError, TokenCosts, plan_replay
+
+    MB = 2**20
+    costs = TokenCosts(keep=10 * MB, checkpoint=1 * MB, transient=2 * MB, source="config")
+    lengths = [1000] * 20  # 20k tokens: 200 GB kept whole, 20 GB checkpointed
+    plan = plan_replay(lengths, ReplayConfig(microbatch_tokens=2000), costs, base_bytes=10 * 2**30,
+                       budget_bytes=40 * 2**30)
+    assert plan.tiers[0] == "keep" and "checkpoint" in plan.tiers
+    assert plan.est_peak_bytes <= plan.budget_bytes
+    # tiers come in order: keep, then checkpoint, then two-pass
+    order = {"keep": 0, "checkpoint": 1, "two_pass": 2}
+    assert [order[t] for t in plan.tiers] == sorted(order[t] for t in plan.tiers)
+    # a tight budget pushes the rest to two-pass instead of failing
+    tight = plan_replay(lengths, ReplayConfig(microbatch_tokens=2000), costs, 10 * 2**30, 16 * 2**30)
+    assert tight.tiers[-1] == "two_pass" and tight.est_peak_bytes <= 16 * 2**30
+    # a forced keep tier that cannot fit: refused before replay, naming the setting
+    with pytest.raises(ReplayMemoryError, match="replay.keep_graph_tokens"):
+        plan_replay(lengths, ReplayConfig(microbatch_tokens=2000, keep_graph_tokens=20000), costs, 10 * 2**30,
+                    40 * 2**30)
+    # micro-batches too large to be in flight
+    with pytest.raises(ReplayMemoryError, match="replay.microbatch_tokens"):
+        plan_replay(lengths, ReplayConfig(microbatch_tokens=20000), costs, 10 * 2**30, 40 * 2**30)
+    # a single turn that cannot be in flight: names the episode length and the budget
+    with pytest.raises(ReplayMemoryError, match="gym.token_budget"):
+        plan_replay([20000], ReplayConfig(), costs, 10 * 2**30, 40 * 2**30)
+
+
+def test_replay_config_rejects_inverted_tiers():
+    from configs.schema import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="checkpoint_tokens"):
+        load_config("tiny", {"replay.keep_graph_tokens": 100, "replay.checkpoint_tokens": 50})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# every tier's gradients vs the kept-graph path and the FP32 reference
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_tier_gives_the_kept_graph_gradients(dtype):
+    """keep / checkpoint / two-pass through stages.optimize.accumulate_gradients (the production backward): the
+    checkpoint and two-pass tiers equal the kept-graph gradients bit for bit (the forward is the same ops; backward
+    recomputes them), and in FP32 all are within the equivalence gate of a full-batch reference through PEFT's own
+    forward and full log-softmax."""
+    from configs.schema import ReplayConfig
+    from engine.replay import plan_replay, score_microbatch
+    from stages.gradcheck import REL_L2_MAX, compare
+    from stages.optimize import accumulate_gradients
+
+    turns = _turns(6)
+    lengths = turns.lengths()
+    weights_a = [torch.linspace(-1, 1, len(a)) for a in turns.answers]
+    weights_q = [torch.full((3,), 0.01 * (i + 1)) for i in range(len(turns.rows))]
+
+    class Cfg:  # what accumulate_gradients reads
+        sampler = type("S", (), {"temperature": 1.0})()
+
+    class LI:
+        pass
+
+    def run(rc, model):
+        eng = _Eng(model)
+        plan = plan_replay(lengths, rc)
+        _zero(model)
+        live, lp_turn = [], [None] * len(turns.rows)
+        for idx, tier in zip(plan.microbatches, plan.tiers):
+            with torch.set_grad_enabled(tier != "two_pass"):
+                a, q = score_microbatch(eng, turns, idx, 1.0, 0.05, tier, rc)
+            live.append((idx, a, q) if tier != "two_pass" else None)
+            for n, i in enumerate(idx):
+                lp_turn[i] = torch.cat([q[n].detach().float(), a[n].detach().float()])
+        li = LI()
+        li.turns, li.sigma, li.lp_turn = turns, 0.05, lp_turn
+        Cfg.replay = rc
+        accumulate_gradients(Cfg, eng, li, weights_q, weights_a, live=live, plan=(plan.microbatches, plan.tiers))
+        return _grads(model), plan
+
+    model = _model("dora", dtype)
+    base = dict(microbatch_tokens=2 * max(lengths))
+    g_keep, p_keep = run(ReplayConfig(**base), model)
+    g_ckpt, p_ckpt = run(ReplayConfig(**base, keep_graph_tokens=0), model)
+    g_two, p_two = run(ReplayConfig(**base, keep_graph_tokens=0, checkpoint_tokens=0), model)
+    g_mix, p_mix = run(ReplayConfig(**base, keep_graph_tokens=p_keep.tokens[0],
+                                    checkpoint_tokens=sum(p_keep.tokens[:2])), model)
+    assert set(p_keep.tiers) == {"keep"} and set(p_ckpt.tiers) == {"checkpoint"} and set(p_two.tiers) == {"two_pass"}
+    assert {"keep", "checkpoint", "two_pass"} <= set(p_mix.tiers)
+    for g in (g_ckpt, g_two, g_mix):
+        assert all(torch.equal(g[k], g_keep[k]) for k in g_keep)
+
+    if dtype != "float32":
+        return  # BF16 against FP32: tests/test_precision.py (the gate is about precision, the tiers are bitwise)
+    # the FP32 reference: the same weights in FP32, PEFT's forward, every turn in one batch, direct autograd
+    ref_model = _model("dora", "float32")
+    ref_model.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    _zero(ref_model)
+    idx = list(range(len(turns.rows)))
+    with torch.enable_grad():
+        a, q = score_microbatch(_Eng(ref_model), turns, idx, 1.0, 0.05)
+        sum((weights_a[n] * a[n]).sum() + (weights_q[n] * q[n]).sum() for n in idx).backward()
+    ref = _grads(ref_model)
+    for g in (g_keep, g_ckpt, g_two):
+        got = compare(g, ref)
+        assert got["passed"] and got["rel_l2"] <= REL_L2_MAX, got
+
+
+def test_two_pass_rerun_detects_a_changed_forward():
+    """The second pass must equal the first bit for bit; a changed weight between the passes fails the
+    replay-determinism gate instead of silently back-propagating another function."""
+    from configs.schema import ReplayConfig
+    from engine import gates
+    from engine.replay import plan_replay, score_microbatch
+    from stages.optimize import accumulate_gradients
+
+    turns = _turns(3)
+    model = _model("lora")
+    eng = _Eng(model)
+    rc = ReplayConfig(keep_graph_tokens=0, checkpoint_tokens=0)
+    plan = plan_replay(turns.lengths(), rc)
+    lp_turn = [None] * 3
+    with torch.no_grad():
+        for idx in plan.microbatches:
+            a, q = score_microbatch(eng, turns, idx, 1.0, 0.05, "two_pass", rc)
+            for n, i in enumerate(idx):
+                lp_turn[i] = torch.cat([q[n].float(), a[n].float()])
+
+    class Cfg:
+        sampler = type("S", (), {"temperature": 1.0})()
+        replay = rc
+
+    class LI:
+        pass
+
+    li = LI()
+    li.turns, li.sigma, li.lp_turn = turns, 0.05, lp_turn
+    wq = [torch.ones(3)] * 3
+    wa = [torch.ones(len(a)) for a in turns.answers]
+    _zero(model)
+    accumulate_gradients(Cfg, eng, li, wq, wa, live=[None] * len(plan.microbatches),
+                         plan=(plan.microbatches, plan.tiers))
+    with torch.no_grad():
+        next(p for p in model.parameters() if p.requires_grad).add_(1e-3)
+    with pytest.raises(gates.GateFailed, match="replay-determinism"):
+        accumulate_gradients(Cfg, eng, li, wq, wa, live=None, plan=(plan.microbatches, plan.tiers))

@@ -59,6 +59,8 @@ def _watch(run_dir: Path, stop: threading.Event, progress, task_id) -> None:
             seen.add(s)
             ph = " ".join(f"{k}={v:.2f}s" for k, v in r["phases"].items())
             rew = f"reward={r['reward_mean']:.3f} " if "reward_mean" in r else ""
+            if r.get("success_rate") is not None:
+                rew += f"success={r['success_rate']:.2f} "
             pc = f"prefix computed {r['prefix_computed_share']:.0%} " if r.get("prefix_computed_share") is not None else ""
             progress.console.print(f"step {s:3d} {r['kind']:5s} {rew}loss={r['loss']:+.4f} {pc}| {ph}")
             progress.update(task_id, completed=len(seen))
@@ -81,10 +83,11 @@ def summary_tables(summary: dict):
     for ph, by in phases.items():
         t1.add_row(ph, *[f"{sum(by.get(k, [0])) / max(len(by.get(k, [])), 1):.3f}" if k in by else "-" for k in kinds])
     t2 = Table(title="Reward per step")
-    for c in ("step", "kind", "reward", "loss", "grad norm", "parity mean", "prefix computed", "seconds"):
+    for c in ("step", "kind", "reward", "success", "loss", "grad norm", "parity mean", "prefix computed", "seconds"):
         t2.add_column(c, justify="right")
     for s in steps:
         t2.add_row(str(s["step"]), s["kind"], f"{s['reward_mean']:.3f}" if "reward_mean" in s else "-",
+                   f"{s['success_rate']:.3f}" if s.get("success_rate") is not None else "-",
                    f"{s['loss']:+.4f}", f"{s['grad_norm']:.3g}",
                    f"{s['parity_mean']:.2e}" if "parity_mean" in s else "-",
                    f"{s['prefix_computed_share']:.0%}" if s.get("prefix_computed_share") is not None else "-",
@@ -131,6 +134,7 @@ def cmd_train(args) -> int:
             stop.set()
             th.join()
     t1, t2 = summary_tables(summary)
+    console = Console(width=max(console.width, 140))  # tables of numbers: never elide them
     console.print(t1)
     console.print(t2)
     rewards = [s.get("reward_mean") for s in summary["steps"] if "reward_mean" in s]
@@ -139,11 +143,14 @@ def cmd_train(args) -> int:
         console.print(f"fresh-step reward: first {n} mean {sum(rewards[:n]) / n:.3f}, last {n} mean "
                       f"{sum(rewards[-n:]) / n:.3f} (seed {summary['seed']})")
     b, a = summary["eval_before"], summary["eval_after"]
-    console.print(f"held-out eval ({a['episodes']} tasks): reward {b['reward_mean']:.3f} -> {a['reward_mean']:.3f}, "
+    console.print(f"held-out eval ({a['episodes']} tasks): success {b['success_rate']:.3f} -> "
+                  f"{a['success_rate']:.3f}, reward {b['reward_mean']:.3f} -> {a['reward_mean']:.3f}, "
                   f"completion {b['completion_rate']:.2f} -> {a['completion_rate']:.2f}, tokens "
                   f"{b['mean_tokens']:.0f} -> {a['mean_tokens']:.0f}, tool errors "
                   f"{b['tool_error_rate']:.2f} -> {a['tool_error_rate']:.2f}, tool-result token share "
                   f"{b['tool_token_share']:.2f} -> {a['tool_token_share']:.2f}")
+    console.print(f"curves: {summary['curves_png']} (reward and parity per step; also the Prefect artifact "
+                  f"run-curves); TensorBoard: tensorboard --logdir {summary['tensorboard_dir']}")
     console.print(f"run dir {summary['run_dir']}; total {time.time() - t0:.1f}s")
     return 0
 

@@ -3,6 +3,7 @@
 ```
 <root>/config.yaml
 <root>/parity_history.jsonl          <root>/metrics.jsonl
+<root>/tensorboard/ (event files)    <root>/curves.png    <root>/summary.json
 <root>/step-0001/turn-01.arrow       gym-01.arrow   rollouts.arrow   replay.arrow   parity.json
                  optimize.json       adapter/       optimizer.safetensors
                  timings.json        metrics.json
@@ -49,6 +50,12 @@ class RunDir:
 
     def metrics_history(self) -> Path:
         return self.root / "metrics.jsonl"
+
+    def tensorboard_dir(self) -> Path:
+        return self.root / "tensorboard"
+
+    def curves_png(self) -> Path:
+        return self.root / "curves.png"
 
     def export_dir(self, base_hash: str) -> Path:
         return self.root / "export" / _key("base_hash", base_hash)

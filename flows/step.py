@@ -14,7 +14,7 @@ from typing import Literal
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from artifacts import RunDir, append_jsonl, read_json, write_json
+from artifacts import RunDir, append_jsonl, curves, read_json, write_json
 from flows import tasks as T
 from stages.context import run_config
 
@@ -133,9 +133,9 @@ def publish(run_dir: str, step: int, kind: str, summaries: list[dict]) -> dict:
                "cached": sorted({s["stage"] for s in summaries if s.get("cached")})}
     if "collect-rollouts" in by:
         c = by["collect-rollouts"]
-        metrics.update({k: c[k] for k in ("reward_mean", "reward_std", "completion_rate", "tool_error_rate",
-                                          "mean_turns", "answer_tokens", "mean_tokens", "tool_token_share",
-                                          "end_reasons", "transport_retries", "traces_verified")})
+        metrics.update({k: c[k] for k in ("reward_mean", "reward_std", "success_rate", "completion_rate",
+                                          "tool_error_rate", "mean_turns", "answer_tokens", "mean_tokens",
+                                          "tool_token_share", "end_reasons", "transport_retries", "traces_verified")})
     gens = [s for s in summaries if s["stage"] == "generate-turn" and "prefix_input_tokens" in s]
     if gens:  # the prefix cache: prefix tokens asked for vs computed, over the step's turns and both engines
         n_in = sum(s["prefix_input_tokens"] for s in gens)
@@ -153,6 +153,7 @@ def publish(run_dir: str, step: int, kind: str, summaries: list[dict]) -> dict:
     write_json(rd.timings(step), ph)
     write_json(rd.metrics(step), metrics)
     append_jsonl(rd.metrics_history(), metrics | {"phases": ph}, replace="step")
+    curves.write_scalars(run_dir, step, curves.step_scalars(metrics | {"phases": ph}))
     create_table_artifact(
         key=f"step-{step:04d}-timings",
         table=[{"phase": k, "seconds": v} for k, v in ph.items()],

@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from artifacts import write_json
+from artifacts import curves, write_json
 from configs.schema import load_config
 from flows import tasks as T
 from flows.step import grpo_step
@@ -37,18 +37,24 @@ def train(config: str = "tiny", steps: int | None = None, run_dir: str | None = 
     record_prepared(run_dir, tok, base, init)
     ex = T.export_base(run_dir, base["path"])
     before = T.evaluate(run_dir, "before", init["path"], ex["path"], base["path"])
+    curves.write_scalars(run_dir, 0, curves.eval_scalars(before))
     history = []
     for step in range(cfg.steps.total):
         history.append(grpo_step(run_dir, step))
     final = str(rd.adapter(cfg.steps.total - 1))
     verified = T.verify_checkpoint(run_dir, final, base["path"]) if cfg.gates.verify_checkpoint else None
     after = T.evaluate(run_dir, f"step-{cfg.steps.total - 1:04d}", final, ex["path"], base["path"])
+    curves.write_scalars(run_dir, cfg.steps.total, curves.eval_scalars(after))
+    curves.close(run_dir)
+    png = curves.plot_run(run_dir, before, after)
+    create_markdown_artifact(key="run-curves", markdown=curves.png_markdown(png, "Reward and parity per step"),
+                             description="Fresh-step reward and success, held-out before/after, parity per step")
     summary = {"run_dir": run_dir, "seed": cfg.seed, "steps": history, "eval_before": before, "eval_after": after,
-               "bootstrap": base, "verified_checkpoint": verified}
+               "bootstrap": base, "verified_checkpoint": verified, **curves.summary_paths(run_dir)}
     write_json(rd.root / "summary.json", summary)
     create_table_artifact(
         key="run-reward",
-        table=[{"step": h["step"], "kind": h["kind"], "reward": h.get("reward_mean"), "loss": h["loss"],
-                "seconds": h["stage_seconds"]} for h in history],
+        table=[{"step": h["step"], "kind": h["kind"], "reward": h.get("reward_mean"), "success": h.get("success_rate"),
+                "loss": h["loss"], "seconds": h["stage_seconds"]} for h in history],
         description="Reward and loss per step")
     return summary

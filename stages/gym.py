@@ -3,11 +3,11 @@
 run-gym applies this turn's answer of every active row to its episode's environment (kept alive across turns in
 this process, rebuilt from the task and answer history after a restart) and writes the next row state
 gym-TT.arrow: next prefix ids (c_{t+1} = c_t ⊕ answer ⊕ observation), done flags, rewards, reasons, tool errors,
-token counts. It enforces the episode token budget: the model's answer tokens plus every tool-result block it is
-shown (the question is not counted); an episode whose next tool result does not fit, or that has fewer than
-two tokens left for its next answer, ends with reason ``budget``. When an episode ends its sealed provenance
-trace (gyms with server-side tools) is stored next to the step's artifacts, and TRL-style reward functions
-(``gym.reward_funcs``) add to its reward.
+token counts and ``success`` (the episode ended with a correct final answer). It enforces the episode token
+budget: the model's answer tokens plus every tool-result block it is shown (the question is not counted); an
+episode whose next tool result does not fit, or that has fewer than two tokens left for its next answer, ends
+with reason ``budget``. When an episode ends its sealed provenance trace (gyms with server-side tools) is stored
+next to the step's artifacts, and TRL-style reward functions (``gym.reward_funcs``) add to its reward.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import numpy as np
 
 from artifacts import RunDir, read_table, write_table
 from engine.chat import observation_block
-from gym.protocol import REASON_BUDGET, Task
+from gym.protocol import REASON_ANSWER, REASON_BUDGET, Task
 from gym.trace import TraceError, verify_trace, write_trace
 from stages.context import episode_pool, reward_functions, run_config, timer
 
 # Columns of a row-state table (tasks.arrow, gym-TT.arrow) and their Arrow element types.
 STATE_COLUMNS = ("row", "group", "episode", "task", "prefix_ids", "done", "reward", "history", "observations",
                  "turn_reward", "observation", "reason", "tool_error", "model_tokens", "tool_tokens",
-                 "transport_retries", "trace", "prefix_bounds")
+                 "transport_retries", "trace", "prefix_bounds", "success")
 
 
 def write_state(path: str, rows: list[dict], metadata: dict[str, str]) -> None:
@@ -52,6 +52,7 @@ def write_state(path: str, rows: list[dict], metadata: dict[str, str]) -> None:
         # lengths of the row's earlier turn prefixes c_0..c_{t-1}: the prefix cache's chunk boundaries, which make
         # the generation states (and thoughts) bitwise independent of what the cache holds
         "prefix_bounds": [np.asarray(r.get("prefix_bounds") or [], dtype=np.int32) for r in rows],
+        "success": np.asarray([bool(r.get("success", False)) for r in rows], dtype=bool),
     }, metadata=metadata)
 
 
@@ -59,7 +60,15 @@ def initial_row(row: int, group: int, episode: str, task: Task, prefix_ids) -> d
     return {"row": row, "group": group, "episode": episode, "task": json.dumps(task.to_dict()),
             "prefix_ids": prefix_ids, "done": False, "reward": 0.0, "history": "[]", "observations": "[]",
             "turn_reward": 0.0, "observation": "", "reason": "", "tool_error": False, "model_tokens": 0,
-            "tool_tokens": 0, "transport_retries": 0, "trace": "", "prefix_bounds": []}
+            "tool_tokens": 0, "transport_retries": 0, "trace": "", "prefix_bounds": [], "success": False}
+
+
+def answer_correct(res) -> bool:
+    """Whether a step ended the episode with a correct final answer: the gym's ``info["correct"]`` when it says so,
+    otherwise a positive reward on the answer turn (the built-in gyms pay 1.0 for a correct answer, 0 otherwise)."""
+    if not res.done or res.info.get("reason") != REASON_ANSWER:
+        return False
+    return bool(res.info.get("correct", float(res.reward) > 0))
 
 
 def budget_left(cfg, row: dict) -> int:
@@ -82,6 +91,7 @@ def _advance(cfg, pool, tok, eos: int, r: dict, a: dict) -> tuple[dict, bool]:
                tool_error=bool(res.info.get("tool_error", False)),
                transport_retries=int(res.info.get("transport_retries", 0)),
                model_tokens=int(r["model_tokens"]) + len(ans_ids))
+    new["success"] = answer_correct(res)
     prefix = list(r["prefix_ids"]) + ans_ids
     if not res.done:
         obs = res.observation or ""
@@ -194,6 +204,8 @@ def episode_stats(final: list[dict]) -> dict:
         reasons[r["reason"] or "unfinished"] = reasons.get(r["reason"] or "unfinished", 0) + 1
     return {
         "completion_rate": sum(r["reason"] == "answer" for r in final) / n,
+        # share of episodes that ended with a correct final answer (tables written before the column: False)
+        "success_rate": sum(bool(r.get("success", False)) for r in final) / n,
         "mean_tokens": (model + tool) / n,
         "tool_token_share": tool / max(model + tool, 1),
         "end_reasons": reasons,

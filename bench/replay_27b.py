@@ -22,6 +22,7 @@ two-pass micro-batches re-forwarded and checked bit for bit).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -122,11 +123,12 @@ def run_plan(eng, turns, rc, temperature: float = 1.0, sigma: float = 0.05, plan
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="*", default=[8192])
-    p.add_argument("--tiers", nargs="+", default=["keep", "checkpoint", "two_pass"])
+    p.add_argument("--tiers", nargs="+", default=["two_pass", "checkpoint", "keep"])
     p.add_argument("--shapes", nargs="*", default=["4x4"], help="ROWSxTURNS recipe shapes for the preflight check")
     p.add_argument("--gradcheck-layers", type=int, default=0)
     p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (quick checks)")
     p.add_argument("--gdn", default="auto", choices=["auto", "torch", "fla"])
+    p.add_argument("--probe-tokens", type=int, default=512)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
 
@@ -154,6 +156,16 @@ def main(argv=None) -> dict:
     d = arch["hidden_size"]
     res["resident_gb"] = round(torch.cuda.memory_allocated(dev) / 2**30, 2)
 
+    # 0. per-token costs of the tiers on this GPU (what the preflight plans with) --------------------------------------
+    from engine.replay import measure_costs
+
+    probe = make_turns([1000], 16, 64, d, vocab, eng.scale, 1)
+    t = time.perf_counter()
+    eng._replay_costs = measure_costs(eng, probe, ReplayConfig(), 1.0, 0.05, probe_tokens=a.probe_tokens)
+    res["token_costs"] = eng._replay_costs.as_dict() | {"measure_s": round(time.perf_counter() - t, 1),
+                                                        "probe_tokens": a.probe_tokens}
+    print(json.dumps(res["token_costs"]), flush=True)
+
     # 1. one long turn per tier ---------------------------------------------------------------------------------------
     res["turns"] = []
     for T in a.tokens:
@@ -178,10 +190,11 @@ def main(argv=None) -> dict:
                                est_peak_gb=r["plan"].get("est_peak_gb"))
             except (ReplayMemoryError, torch.OutOfMemoryError) as e:
                 row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            gc.collect()
             torch.cuda.empty_cache()
+            row["allocated_after_gb"] = round(torch.cuda.memory_allocated(dev) / 2**30, 2)
             res["turns"].append(row)
             print(json.dumps(row), flush=True)
-    res["token_costs"] = getattr(eng, "_replay_costs").as_dict() if hasattr(eng, "_replay_costs") else None
 
     # 2. recipe shapes: preflight estimate vs measured peak -----------------------------------------------------------
     res["shapes"] = []
@@ -197,6 +210,7 @@ def main(argv=None) -> dict:
                        est_vs_measured=None if est is None else round(est / r["peak_gb"], 3))
         except (ReplayMemoryError, torch.OutOfMemoryError) as e:
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        gc.collect()
         torch.cuda.empty_cache()
         res["shapes"].append(row)
         print(json.dumps(row), flush=True)
@@ -246,14 +260,24 @@ def gradcheck(arch: dict, cfg27, layers: int, dev) -> dict:
     ref = {n: p_.grad.double().cpu() for n, p_ in ref_model.named_parameters() if p_.requires_grad}
     gdn.install("fla" if chosen.get("chunk") == "fla" else "torch", ref_model.config, dev)
     out = {"layers": layers, "tokens": sum(turns.lengths()), "gdn": gdn.chosen()}
+    # the same BF16 base through PEFT's own forward/autograd, every turn in one batch, no memory policy: isolates
+    # what the tiers, micro-batching, the lean adapter backward and the chunked log-probs change
+    for p_ in bf.parameters():
+        p_.grad = None
+    with torch.enable_grad():
+        a, q = score_microbatch(eng_bf, turns, idx, 1.0, 0.05)
+        sum((wa[n] * a[n]).sum() + (wq[n] * q[n]).sum() for n in idx).backward()
+    ref_bf = {n: p_.grad.double().cpu() for n, p_ in bf.named_parameters() if p_.requires_grad}
+    out["peft_bf16_vs_fp32"] = {k: v for k, v in compare(ref_bf, ref).items() if k != "outside"}
     for tier, caps in (("keep", {}), ("checkpoint", {"keep_graph_tokens": 0}),
                        ("two_pass", {"keep_graph_tokens": 0, "checkpoint_tokens": 0})):
         for p_ in bf.parameters():
             p_.grad = None
         run_plan(eng_bf, turns, ReplayConfig(microbatch_tokens=4096, **caps))
         got = {n: p_.grad.double().cpu() for n, p_ in bf.named_parameters() if p_.requires_grad}
-        c = compare(got, ref)
-        out[tier] = {k: c[k] for k in ("rel_l2", "tensors", "tensors_outside", "worst_tensor_rel_l2", "passed")}
+        keys = ("rel_l2", "tensors", "tensors_outside", "worst_tensor_rel_l2", "passed")
+        c, cb = compare(got, ref), compare(got, ref_bf)
+        out[tier] = {"vs_fp32": {k: c[k] for k in keys}, "vs_peft_bf16_one_batch": {k: cb[k] for k in keys}}
     return out
 
 

@@ -93,8 +93,17 @@ def fla_functions() -> dict:
 # qualification
 
 
+def model_repeats_heads() -> bool:
+    """Whether transformers' GDN module repeats the key heads to the value heads before calling the kernel (then
+    the kernels see hv heads everywhere; otherwise they get grouped-value inputs)."""
+    return "repeat_interleave" in inspect.getsource(_mq().Qwen3_5GatedDeltaNet.forward)
+
+
 def _inputs(T: int, hk: int, hv: int, dk: int, dv: int, device, seed: int, state: bool):
+    """Random kernel inputs in the layout the model passes (q, k with hk heads, or repeated to hv)."""
     g = torch.Generator(device=device).manual_seed(seed)
+    if model_repeats_heads():
+        hk = hv
     q = torch.randn(1, T, hk, dk, device=device, generator=g)
     k = torch.randn(1, T, hk, dk, device=device, generator=g)
     v = torch.randn(1, T, hv, dv, device=device, generator=g)
@@ -120,8 +129,9 @@ def _run(fn, q, k, v, g, beta, h0, dtype, grad: bool):
     out, state = fn(*xs, g=gg, beta=bb, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     res = {"o": out.detach().float(), "state": None if state is None else state.detach().float()}
     if grad:
-        w = torch.randn_like(out, generator=torch.Generator(device=out.device).manual_seed(7))
-        (out.float() * w.float()).sum().backward()
+        # the same FP32 cotangent for every dtype (a generator draws different values per dtype)
+        w = torch.randn(out.shape, generator=torch.Generator(device=out.device).manual_seed(7), device=out.device)
+        (out.float() * w).sum().backward()
         res.update({f"d{n}": t.grad.float() for n, t in zip(("q", "k", "v", "g", "beta"), (*xs, gg, bb))})
     return res
 
@@ -179,14 +189,17 @@ def layout_of(config) -> dict:
 
 
 def _set(name: str, fn, label: str) -> None:
-    """Point the module global transformers calls at `fn` (None: the PyTorch reference), remembering the reference."""
+    """Point the module global transformers calls at `fn` (None: the PyTorch reference), remembering the reference.
+    A kernel runs only on CUDA tensors; a model on the CPU in the same process (a reference, a diagnostic) gets the
+    PyTorch reference."""
     mq = _mq()
     cur = getattr(mq, GLOBALS[name])
     ref = getattr(cur, "_lgrpo_reference", None) or inspect.unwrap(cur)
     impl = ref if fn is None else fn
 
     def call(*args, **kwargs):
-        return impl(*args, **kwargs)
+        x = args[0] if args else next(iter(kwargs.values()))
+        return impl(*args, **kwargs) if x.is_cuda else ref(*args, **kwargs)
 
     call._lgrpo_reference = ref
     call.__name__ = f"{label}_{name}"
@@ -237,3 +250,11 @@ def install(mode: str, config, device) -> dict[str, str]:
 
 def chosen() -> dict[str, str]:
     return dict(_STATE["chosen"])
+
+
+def install_default() -> None:
+    """The PyTorch reference for every GDN kernel, once per process, unless a choice was made already: nothing in
+    this project runs a kernel transformers picked by itself (engine.model calls this on import)."""
+    if not _STATE["chosen"]:
+        for k in GLOBALS:
+            _set(k, None, "torch")

@@ -18,6 +18,15 @@ from engine.chat import ANSWER_OPEN, IM_END, PAD, THINK
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def _gdn_default() -> None:
+    from engine import gdn
+
+    gdn.install_default()  # transformers would route GDN to fla whenever fla imports; the project chooses (engine/gdn.py)
+
+
+_gdn_default()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # building and loading
 

@@ -283,7 +283,7 @@ def _fresh_grads(params):
             p.grad = g
 
 
-def measure_costs(engine, turns: Turns, rc, temperature: float, sigma: float, probe_tokens: int = 1024
+def measure_costs(engine, turns: Turns, rc, temperature: float, sigma: float, probe_tokens: int = 512
                   ) -> TokenCosts:
     """Bytes per token of each tier, measured with the CUDA allocator on probe turns of `probe_tokens` and twice that
     (the first stored turn's prefix cut or repeated to length, its thoughts and answer): what stays allocated after

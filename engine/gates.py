@@ -22,7 +22,8 @@ def rollout_parity(trainer_lp: list[list[float]], sampler_lp: list[list[float]],
     """Trainer vs sampler log-prob of every real answer token.
 
     Over tokens that either engine gives at least `min_prob` probability: mean |gap| must be <= mean_max; a token
-    whose gap exceeds `token_max` is masked out of the loss and recorded. Returns (report, keep-mask per turn).
+    whose gap exceeds `token_max` is masked out of the loss and recorded. Tokens under `min_prob` in both engines are
+    left out of both and counted (`tokens_below_min_prob`). Returns (report, keep-mask per turn).
     The report also carries the peers' mismatch metrics: k3 KL (sampler -> trainer), importance ratio
     min/mean/max (exp(trainer - sampler)) and the share of masked tokens.
     """
@@ -52,6 +53,9 @@ def rollout_parity(trainer_lp: list[list[float]], sampler_lp: list[list[float]],
     report = {
         "tokens": n_all,
         "tokens_considered": len(gaps),
+        # left out of the mean and of the per-token mask: under min_prob in both engines (their log-probs are large,
+        # noisy numbers that say nothing about whether both engines score the same model)
+        "tokens_below_min_prob": n_all - len(gaps),
         "mean_gap": sum(gaps) / len(gaps) if gaps else 0.0,
         "max_gap": max(gaps) if gaps else 0.0,
         "masked_tokens": masked,

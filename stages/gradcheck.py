@@ -29,12 +29,17 @@ class _Engine:
         self.model, self.toks, self.scale = model, toks, scale
 
 
-def load_engine(base_dir: str, adapter_dir: str, dtype: torch.dtype, adapter_cfg) -> _Engine:
-    """Base in ``dtype`` (bf16 or fp32) with the adapter loaded as FP32 masters."""
+def load_engine(base_dir: str, adapter_dir: str, dtype: torch.dtype, adapter_cfg,
+                compute_dtype: torch.dtype | None = None) -> _Engine:
+    """Base in ``dtype`` (bf16 or fp32) with the adapter loaded as FP32 masters. ``compute_dtype``: the base weights
+    rounded to ``dtype`` and then held (and computed) in this dtype, e.g. BF16-rounded weights in FP32 arithmetic,
+    which separates the rounding of the weights from the precision of the arithmetic."""
     from artifacts import read_adapter_dir
     from engine.runtime import tokenizer
 
     base = M.load_base(base_dir, {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype])
+    if compute_dtype is not None:
+        base.to(compute_dtype)
     model = M.attach_adapter(base, adapter_cfg)
     _, tensors = read_adapter_dir(adapter_dir)
     M.load_adapter_state(model, tensors)

@@ -61,45 +61,10 @@ def timed(dev, fn):
 
 
 def build_random(arch: dict, vocab: int, device, dtype, seed: int, std: float = 0.02, init: bool = True):
-    """Qwen3_5ForCausalLM on `device` with random weights: meta build, to_empty, in-place init (init=False: the
-    caller fills every tensor, e.g. from an export)."""
-    import torch
-    from transformers import Qwen3_5ForCausalLM
+    """Qwen3_5ForCausalLM on `device` with random weights (engine.model.build_random_on)."""
+    from engine.model import build_random_on
 
-    from engine.model import tiny_config
-
-    cfg = tiny_config(arch, vocab, PAD, EOS)
-    with torch.device("meta"):
-        model = Qwen3_5ForCausalLM(cfg)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    g = torch.Generator(device=device).manual_seed(seed)
-    done = set()
-    with torch.no_grad():
-        for mod in (model.modules() if init else ()):
-            name = type(mod).__name__
-            if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d)):
-                mod.weight.normal_(0, std, generator=g)
-                done.add(id(mod.weight))
-                if getattr(mod, "bias", None) is not None:
-                    mod.bias.zero_()
-                    done.add(id(mod.bias))
-            elif name == "Qwen3_5RMSNorm":
-                mod.weight.zero_()  # (1 + w) scaling
-                done.add(id(mod.weight))
-            elif name == "Qwen3_5RMSNormGated":
-                mod.weight.fill_(1)
-                done.add(id(mod.weight))
-            elif name == "Qwen3_5GatedDeltaNet":
-                mod.dt_bias.fill_(1)
-                a = torch.empty(mod.A_log.shape, device=device, dtype=torch.float32).uniform_(0.01, 16, generator=g)
-                mod.A_log.copy_(a.log())
-                done.update({id(mod.dt_bias), id(mod.A_log)})
-    missed = [n for n, p in model.named_parameters() if id(p) not in done]
-    if missed and init:
-        raise RuntimeError(f"uninitialized parameters: {missed[:5]}")
-    rot = model.model.rotary_emb  # non-persistent buffers (inv_freq) are garbage after to_empty
-    model.model.rotary_emb = type(rot)(config=cfg).to(device)
-    return model.eval()
+    return build_random_on(arch, vocab, PAD, EOS, seed, dtype, device, std, init)
 
 
 def with_adapter(model, adapter_cfg, seed: int):

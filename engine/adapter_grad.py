@@ -36,6 +36,25 @@ def adapter_layers(model) -> dict[str, torch.nn.Module]:
     return {n: m for n, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
 
 
+def single_adapter_layers(model) -> dict[str, tuple[torch.nn.Module, str]]:
+    """{name: (layer, adapter name)} of the PEFT LoRA layers with exactly one active, unmerged adapter."""
+    out = {}
+    for name, mod in adapter_layers(model).items():
+        active = list(getattr(mod, "active_adapters", ["default"]))
+        if len(active) == 1 and active[0] in mod.lora_A and not getattr(mod, "merged", False):
+            out[name] = (mod, active[0])
+    return out
+
+
+def adapter_params(layers: dict[str, tuple[torch.nn.Module, str]]):
+    """The adapter tensors of `layers` (A, B, and the DoRA magnitude), in a fixed order."""
+    for mod, a in layers.values():
+        yield mod.lora_A[a].weight
+        yield mod.lora_B[a].weight
+        if a in getattr(mod, "lora_magnitude_vector", {}):
+            yield mod.lora_magnitude_vector[a].weight
+
+
 @torch.no_grad()
 def dora_weight_norm(mod, a: str) -> torch.Tensor:
     """PEFT's ||W + s·BA||_row in the LoRA dtype (DoraLinearLayer.forward without autocast), detached: (out,)."""
@@ -115,28 +134,17 @@ class ReplayAdapter:
 
     def __init__(self, model):
         self.model = model
-        self.layers = {}
-        for name, mod in adapter_layers(model).items():
-            active = list(getattr(mod, "active_adapters", ["default"]))
-            if len(active) != 1 or active[0] not in mod.lora_A or getattr(mod, "merged", False):
-                continue
-            drop = mod.lora_dropout[active[0]] if active[0] in getattr(mod, "lora_dropout", {}) else None
+        self.layers = single_adapter_layers(model)
+        for mod, a in self.layers.values():
+            drop = mod.lora_dropout[a] if a in getattr(mod, "lora_dropout", {}) else None
             if drop is not None and not isinstance(drop, torch.nn.Identity):
                 raise ValueError("replay with gradients runs without LoRA dropout (adapter.dropout: 0.0)")
-            self.layers[name] = (mod, active[0])
         self.norms: dict[str, torch.Tensor] = {}
         self._key = None
         self._depth = 0
 
-    def _params(self):
-        for mod, a in self.layers.values():
-            yield mod.lora_A[a].weight
-            yield mod.lora_B[a].weight
-            if a in getattr(mod, "lora_magnitude_vector", {}):
-                yield mod.lora_magnitude_vector[a].weight
-
     def _sync(self) -> None:
-        key = tuple((p.data_ptr(), p._version) for p in self._params())
+        key = tuple((p.data_ptr(), p._version) for p in adapter_params(self.layers))
         if key == self._key:
             return
         self.norms = {name: dora_weight_norm(mod, a) for name, (mod, a) in self.layers.items()

@@ -45,6 +45,7 @@ import time
 import torch
 
 from engine.model import Tokens, _parts, cache_kw, gaussian_logq, left_pad, sampling_loop, thought_mean
+from engine.adapter_grad import adapter_layers, adapter_params, dora_weight_norm, single_adapter_layers
 from engine.prefix_cache import ATTN, LINEAR, layer_kinds
 
 
@@ -268,10 +269,6 @@ class StaticHybridCache:
 # PEFT adapter layers with a frozen DoRA scale
 
 
-def _adapter_layers(model) -> dict[str, torch.nn.Module]:
-    return {n: m for n, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
-
-
 class FrozenAdapter:
     """Inference forwards for PEFT LoRA/DoRA Linear layers (plain and bitsandbytes 4-bit) that reuse the DoRA scale.
 
@@ -287,12 +284,7 @@ class FrozenAdapter:
 
     def __init__(self, model):
         self.model = model
-        self.layers = {}
-        for name, mod in _adapter_layers(model).items():
-            active = list(getattr(mod, "active_adapters", ["default"]))
-            if len(active) != 1 or active[0] not in mod.lora_A or getattr(mod, "merged", False):
-                continue
-            self.layers[name] = (mod, active[0])
+        self.layers = single_adapter_layers(model)
         self.ms: dict[str, torch.Tensor] = {}
         self.ms1: dict[str, torch.Tensor] = {}
         self._key = None
@@ -300,29 +292,13 @@ class FrozenAdapter:
         self._depth = 0
         self.sync()
 
-    def _params(self):
-        for name, (mod, a) in self.layers.items():
-            yield mod.lora_A[a].weight
-            yield mod.lora_B[a].weight
-            if a in getattr(mod, "lora_magnitude_vector", {}):
-                yield mod.lora_magnitude_vector[a].weight
-
     def _state_key(self):
-        return tuple((p.data_ptr(), p._version) for p in self._params())
+        return tuple((p.data_ptr(), p._version) for p in adapter_params(self.layers))
 
     @torch.no_grad()
     def _scale(self, mod, a) -> torch.Tensor:
         """PEFT's mag_norm_scale for x in the LoRA dtype (DoraLinearLayer.forward, no autocast)."""
-        from peft.utils.integrations import dequantize_module_weight
-
-        dl = mod.lora_magnitude_vector[a]
-        A, B = mod.lora_A[a], mod.lora_B[a]
-        xdt = A.weight.dtype
-        lora_weight = dl.get_lora_weight(lora_A=A, lora_B=B, adapter_name=a).to(xdt)
-        weight = dequantize_module_weight(mod.get_base_layer()).to(xdt)
-        norm = dl.get_weight_norm(weight=weight, lora_weight=lora_weight.detach(), scaling=mod.scaling[a],
-                                  adapter_name=a).detach()
-        return (dl.weight / norm).view(1, -1)
+        return (mod.lora_magnitude_vector[a].weight / dora_weight_norm(mod, a)).view(1, -1)
 
     @torch.no_grad()
     def sync(self) -> str:
@@ -425,7 +401,7 @@ class _StaticDecoder:
         if attention not in ("gqa", "hf"):
             raise ValueError("attention must be 'gqa' (grouped, no repeat_kv copies) or 'hf' (the model's own)")
         self.attention = attention
-        self.frozen = FrozenAdapter(model) if freeze_adapter and _adapter_layers(model) else None
+        self.frozen = FrozenAdapter(model) if freeze_adapter and adapter_layers(model) else None
         self.cache: StaticHybridCache | None = None
         self.graph = None
         self._graph_key = None

@@ -55,10 +55,68 @@ def build_random_model(arch: dict, vocab_size: int, pad_id: int, eos_id: int, se
     return model.to(DTYPES[dtype])
 
 
-def load_base(path: str | Path, dtype: str):
+RANDOM_BASE = "random_base.json"  # a base that is a recipe, not weights: arch + seed, built where it runs
+
+
+def build_random_on(arch: dict, vocab_size: int, pad_id: int, eos_id: int, seed: int, dtype: torch.dtype,
+                    device, std: float = 0.02, init: bool = True):
+    """Qwen3_5ForCausalLM with random weights built directly on `device`: meta build, to_empty, in-place init from a
+    generator on that device (a 27B model in < 1 s on a GPU, never on the CPU). Deterministic in (arch, seed,
+    device type). init=False leaves the weights unset for the caller to fill (e.g. from a dequantized NF4 base)."""
     from transformers import Qwen3_5ForCausalLM
 
-    return Qwen3_5ForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
+    cfg = tiny_config(arch, vocab_size, pad_id, eos_id)
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM(cfg)
+    device = torch.device(device)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    done = set()
+    with torch.no_grad():
+        for mod in (model.modules() if init else ()):
+            name = type(mod).__name__
+            if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d)):
+                mod.weight.normal_(0, std, generator=g)
+                done.add(id(mod.weight))
+                if getattr(mod, "bias", None) is not None:
+                    mod.bias.zero_()
+                    done.add(id(mod.bias))
+            elif name == "Qwen3_5RMSNorm":
+                mod.weight.zero_()  # (1 + w) scaling
+                done.add(id(mod.weight))
+            elif name == "Qwen3_5RMSNormGated":
+                mod.weight.fill_(1)
+                done.add(id(mod.weight))
+            elif name == "Qwen3_5GatedDeltaNet":
+                mod.dt_bias.fill_(1)
+                a = torch.empty(mod.A_log.shape, device=device, dtype=torch.float32).uniform_(0.01, 16, generator=g)
+                mod.A_log.copy_(a.log())
+                done.update({id(mod.dt_bias), id(mod.A_log)})
+    missed = [n for n, p in model.named_parameters() if id(p) not in done]
+    if missed and init:
+        raise RuntimeError(f"uninitialized parameters: {missed[:5]}")
+    rot = model.model.rotary_emb  # non-persistent buffers (inv_freq) are garbage after to_empty
+    model.model.rotary_emb = type(rot)(config=cfg).to(device)
+    return model.eval()
+
+
+def random_base_manifest(path: str | Path) -> dict | None:
+    """The recipe of a `model.source: random` base directory, or None for a checkpoint."""
+    import json
+
+    f = Path(path) / RANDOM_BASE
+    return json.loads(f.read_text()) if f.exists() else None
+
+
+def load_base(path: str | Path, dtype: str, device: str | torch.device = "cpu", init: bool = True):
+    """A base from a checkpoint directory, or built on `device` from a random-base recipe (random_base.json)."""
+    from transformers import Qwen3_5ForCausalLM
+
+    m = random_base_manifest(path)
+    if m is not None:
+        return build_random_on(m["arch"], m["vocab_size"], m["pad_id"], m["eos_id"], m["seed"], DTYPES[dtype],
+                               device, m["std"], init=init)
+    return Qwen3_5ForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype]).to(device)
 
 
 def attach_adapter(model, adapter_cfg):

@@ -77,7 +77,12 @@ def load_base_nf4(path: str | Path, device: str = "cuda", names=QUANTIZED, doubl
     """A BF16 checkpoint loaded onto `device` and quantized to NF4 there (the trainer's base)."""
     from transformers import Qwen3_5ForCausalLM
 
-    model = Qwen3_5ForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, device_map={"": device})
+    from engine.model import load_base, random_base_manifest
+
+    if random_base_manifest(path) is not None:  # a random-base recipe: built in BF16 on the device, then quantized
+        model = load_base(path, "bfloat16", device)
+    else:
+        model = Qwen3_5ForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, device_map={"": device})
     quantize_nf4_(model, names=names, double_quant=double_quant)
     return model
 

@@ -379,18 +379,3 @@ def from_sequences(rows: list[int], lengths: list[int], seq: torch.Tensor) -> li
         offsets[r] += n
     return out
 
-
-class PeakMemory:
-    """Peak allocated device memory from construction on (CUDA; nothing on the CPU)."""
-
-    def __init__(self, dev: torch.device, reset: bool = True):
-        self.dev = dev
-        if dev.type == "cuda" and reset:
-            torch.cuda.synchronize(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-
-    def read(self, key: str) -> dict:
-        if self.dev.type != "cuda":
-            return {}
-        torch.cuda.synchronize(self.dev)
-        return {key: round(torch.cuda.max_memory_allocated(self.dev) / GiB, 3)}

@@ -112,7 +112,11 @@ def _build(model_dir: str | Path, tok_dir: str | Path, cfg, quantization: str = 
 
         base = load_base_nf4(model_dir, device=cfg.device)
     else:
-        base = M.load_base(model_dir, cfg.model.dtype).to(cfg.device)
+        m = M.random_base_manifest(model_dir)
+        if m is not None and m.get("dequantized_from"):
+            base = _dequantized_copy(cfg, model_dir, m)
+        else:
+            base = M.load_base(model_dir, cfg.model.dtype, cfg.device)
     from engine import gdn
 
     gdn.install(cfg.model.gdn_kernels, base.config, cfg.device)  # before the first forward, whatever transformers routes
@@ -121,6 +125,21 @@ def _build(model_dir: str | Path, tok_dir: str | Path, cfg, quantization: str = 
     model.eval()
     return Engine(model=model, toks=M.Tokens.of(tok), scale=M.embed_scale(model),
                   graphs=cfg.device == "cuda" and cfg.generation.cuda_graphs)
+
+
+def _dequantized_copy(cfg, export_dir, manifest: dict):
+    """The sampler's BF16 base for an in-memory export (a random NF4 base has no checkpoint to write 54 GB of): the
+    trainer's dequantized NF4 weights copied into a BF16 model on the device, then checked bit for bit."""
+    from engine import nf4
+
+    tr = trainer(cfg, manifest["dequantized_from"], manifest["dequantized_from"])
+    base = M.load_base(export_dir, "bfloat16", cfg.device, init=False)
+    nf4.load_state_into(base, tr.model)
+    check = nf4.verify_export(tr.model, base)
+    if not check["equal"]:
+        raise RuntimeError(f"the in-memory BF16 export differs from the trainer's dequantized NF4 weights: "
+                           f"mismatched {check['mismatched']}, missing {check['missing']}, extra {check['extra']}")
+    return base
 
 
 def trainer(cfg, base_dir: str | Path, tok_dir: str | Path) -> Engine:

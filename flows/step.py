@@ -147,9 +147,16 @@ def publish(run_dir: str, step: int, kind: str, summaries: list[dict]) -> dict:
                        parity_masked=by["replay"]["masked"])
     if "probe" in by:
         metrics.update(probe_max_gap=by["probe"]["max_gap"], probe_argmax_agreement=by["probe"]["argmax_agreement"])
+    if "replay" in by and "plan" in by["replay"]:  # the replay memory plan: tokens per tier, the preflight's estimate
+        rp = by["replay"]
+        metrics.update(replay_tokens=rp["tokens"], replay_plan=rp["plan"])
+    peaks = {s["stage"]: s["peak_gb"] for s in summaries if "peak_gb" in s and not s.get("cached")}
+    if peaks:  # GPU: peak allocated memory per stage (the highest of a stage's runs)
+        metrics["peak_gb"] = {k: max(s["peak_gb"] for s in summaries if s["stage"] == k and "peak_gb" in s)
+                              for k in peaks}
     o = by["optimize"]
     metrics.update(loss=o["loss"], grad_norm=o["grad_norm"], signal=o["signal"], live_graph=o.get("live_graph"),
-                   thought_logq_gap_max=o.get("thought_logq_gap_max"))
+                   thought_logq_gap_max=o.get("thought_logq_gap_max"), backward_s=o.get("backward_s"))
     write_json(rd.timings(step), ph)
     write_json(rd.metrics(step), metrics)
     append_jsonl(rd.metrics_history(), metrics | {"phases": ph}, replace="step")

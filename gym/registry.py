@@ -1,4 +1,4 @@
-"""Gym lookup by name: a built-in (``table``, ``research``) or an import path ``pkg.module:Factory``."""
+"""Gym lookup by name: a built-in (``table``, ``research``, ``synthetic``) or an import path ``pkg.module:Factory``."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from typing import Any
 
 from gym.protocol import Env
 from gym.research import ResearchGym
+from gym.synthetic import SyntheticGym
 from gym.table import TableGym
 
-BUILTIN_GYMS: dict[str, Callable[..., Env]] = {"table": TableGym, "research": ResearchGym}
+BUILTIN_GYMS: dict[str, Callable[..., Env]] = {"table": TableGym, "research": ResearchGym, "synthetic": SyntheticGym}
 
 
 class GymRegistryError(ValueError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
 from contextlib import contextmanager
 from functools import lru_cache
@@ -47,11 +48,23 @@ def generator(*parts: object):
 
 @contextmanager
 def timer(out: dict, key: str = "wall_s"):
+    """Wall seconds of the block into out[key]; for a stage's own timer (key wall_s) on a GPU also the peak
+    allocated device memory during the block, out["peak_gb"] (torch is not imported here: gym stages run without it)."""
+    def cuda():
+        torch = sys.modules.get("torch")
+        return torch if key == "wall_s" and torch is not None and torch.cuda.is_initialized() else None
+
+    if (torch := cuda()) is not None:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     try:
         yield out
     finally:
         out[key] = round(time.perf_counter() - t0, 4)
+        if (torch := cuda()) is not None:  # also when the block started CUDA (a stage that loads its engine)
+            torch.cuda.synchronize()
+            out["peak_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
 
 
 def env_factory(cfg: RunConfig, run_dir: str | Path | None = None):

@@ -39,7 +39,7 @@ def _fresh(model_dir: str, adapter_dir: str, dtype: str, device: str = "cpu", qu
 
         base = load_base_nf4(model_dir, device=device)
     else:
-        base = M.load_base(model_dir, dtype).to(device)
+        base = M.load_base(model_dir, dtype, device)
     m = PeftModel.from_pretrained(base, adapter_dir)
     m.eval()
     return m

@@ -31,7 +31,19 @@ def export_base(run_dir: str, base_dir: str) -> dict:
         scratch = target.with_name(target.name + ".build")
         if scratch.exists():  # a crash mid-export left it
             shutil.rmtree(scratch)
-        if cfg.model.quantization == "nf4":
+        manifest = M.random_base_manifest(base_dir)
+        if manifest is not None:
+            # a random base has no checkpoint: the export is its recipe too; for an NF4 trainer the sampler's BF16
+            # weights are the trainer's dequantized ones, copied in memory and checked bit for bit when the sampler
+            # is built (engine.runtime._dequantized_copy) instead of 54 GB written to disk here
+            import json
+
+            scratch.mkdir(parents=True)
+            if cfg.model.quantization == "nf4":
+                manifest["dequantized_from"] = str(Path(base_dir).resolve())
+            (scratch / M.RANDOM_BASE).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+            out["in_memory"] = cfg.model.quantization == "nf4"
+        elif cfg.model.quantization == "nf4":
             # the trainer's own NF4 base (the engine the run trains): dequantize once, write, check bit for bit
             from engine import nf4
             from engine import runtime

@@ -18,7 +18,7 @@ from artifacts import RunDir, read_table, read_tensors, to_tensor_list, write_ad
 from engine import gates
 from engine import model as M
 from engine.loss import grpo_loss, importance_sampling_ratio, token_weights
-from engine.replay import PeakMemory, from_sequences, score_microbatch, to_sequences
+from engine.replay import from_sequences, score_microbatch, to_sequences
 from stages.context import run_config, timer
 from stages.replay import live_key, load_turns
 
@@ -212,7 +212,6 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
         metrics.update(grad_norm=gnorm, signal=signal, tokens=int(mask.sum()), rollouts=n_rows,
                        thought_logq_gap_max=li.thought_gap)
         write_json(rd.loss(step), metrics)
-        out.update(PeakMemory(engine.device, reset=False).read("peak_gb"))  # since replay began (same process)
         out.update(adapter=str(adapter_dir), adapter_digest=digest, optimizer=str(rd.optimizer(step)),
                    loss=metrics["loss"], grad_norm=gnorm, signal=signal, thought_logq_gap_max=li.thought_gap)
     return out

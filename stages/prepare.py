@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from artifacts import RunDir, atomic_write, dir_digest, sha256_file, write_adapter_dir, write_json
-from configs.schema import RunConfig, config_hash
+from configs.schema import GymConfig, RunConfig, config_hash
 from engine.chat import episode_text, first_prompt, observation_block
 from stages.context import env_factory, run_config, timer
 
@@ -55,6 +55,12 @@ def _seal_dir(src: Path, dst: Path) -> str:
     return dir_digest(dst)
 
 
+def _without_eval_size(cfg: RunConfig) -> RunConfig:
+    """The config as far as the tokenizer and the bootstrap depend on it: the held-out evaluation's size does not
+    change either, so runs that differ only in `gym.eval_tasks` share them."""
+    return cfg.with_overrides(**{"gym.eval_tasks": GymConfig.model_fields["eval_tasks"].default})
+
+
 def prepare_tokenizer(run_dir: str) -> dict:
     """Train the BPE tokenizer on oracle episodes of the built-in gym (or use tokenizer.path)."""
     from engine.tokenizer import train_tokenizer
@@ -66,7 +72,7 @@ def prepare_tokenizer(run_dir: str) -> dict:
             out["path"] = str(Path(cfg.tokenizer.path).resolve())
             out["cached"] = True
             return out
-        key = config_hash(cfg, "tokenizer", "gym")
+        key = config_hash(_without_eval_size(cfg), "tokenizer", "gym")
         target = RunDir(run_dir).tokenizer_dir(key)
         if target.exists():
             dir_digest(target)  # verifies
@@ -126,13 +132,18 @@ def bootstrap_base(run_dir: str, tok_dir: str) -> dict:
             out.update(path=str(target), cached=cached, source=str(src.resolve()))
             return out
         tok = tokenizer(tok_dir)
-        key = config_hash(cfg, "model", "bootstrap", "latent", "gym", "tokenizer")[:12] + "-" + dir_digest(tok_dir)[:8]
+        key = (config_hash(_without_eval_size(cfg), "model", "bootstrap", "latent", "gym", "tokenizer")[:12] + "-"
+               + dir_digest(tok_dir)[:8])
         target = RunDir(run_dir).bootstrap_dir(key)
         if target.exists():
             dir_digest(target)
             out.update(path=str(target), cached=True)
             return out
         toks = M.Tokens.of(tok)
+        if cfg.model.source == "random":  # a recipe, not weights: engines build it on their device from the seed
+            write_random_base(target, cfg, tok, toks)
+            out.update(path=str(target), cached=False, source="random")
+            return out
         # the warm start trains in FP32 whatever the run computes in (bf16 training on a CPU is slow and coarse);
         # engines load the checkpoint in model.dtype, and the export casts it once for the sampler
         model = M.build_random_model(cfg.model.arch, len(tok), toks.pad, toks.eos, cfg.model.init_seed, "float32")
@@ -148,6 +159,29 @@ def bootstrap_base(run_dir: str, tok_dir: str) -> dict:
         out.update(path=str(target), cached=False, first_loss=losses[0] if losses else None,
                    last_loss=losses[-1] if losses else None)
     return out
+
+
+def write_random_base(target: Path, cfg, tok, toks) -> None:
+    """A `model.source: random` base: random_base.json (arch, vocabulary, seed, init std) and the tokenizer, sealed
+    like a checkpoint. The vocabulary is model.arch.vocab_size when set (the 27B shape keeps its 248,320 rows; the
+    tokenizer uses the first ids), else the tokenizer's."""
+    import json
+
+    from engine.model import RANDOM_BASE
+
+    vocab = int(cfg.model.arch.get("vocab_size", len(tok)))
+    if vocab < len(tok):
+        raise ValueError(f"model.arch.vocab_size={vocab} is smaller than the tokenizer ({len(tok)} tokens): raise it "
+                         "or drop the key")
+    arch = {k: v for k, v in cfg.model.arch.items() if k != "vocab_size"}
+    scratch = target.with_name(target.name + ".build")
+    scratch.mkdir(parents=True, exist_ok=True)
+    (scratch / RANDOM_BASE).write_text(json.dumps({
+        "arch": arch, "vocab_size": vocab, "pad_id": toks.pad, "eos_id": toks.eos, "seed": cfg.model.init_seed,
+        "std": 0.02}, indent=1, sort_keys=True))
+    tok.save_pretrained(scratch)
+    _seal_dir(scratch, target)
+    shutil.rmtree(scratch)
 
 
 def _supervised(cfg, model, tok, toks) -> list[float]:
@@ -214,7 +248,7 @@ def init_adapter(run_dir: str, base_dir: str) -> dict:
         if target.exists():
             out.update(path=str(target), digest=dir_digest(target), cached=True)
             return out
-        base = M.load_base(base_dir, cfg.model.dtype)
+        base = M.load_base(base_dir, cfg.model.dtype, cfg.device)
         torch.manual_seed(cfg.seed)
         peft_model = M.attach_adapter(base, cfg.adapter)
         digest = write_adapter_dir(target, M.adapter_config_dict(peft_model), M.adapter_state(peft_model))

@@ -145,10 +145,7 @@ def probe(run_dir: str, step: int, adapter_in: str, export_in: str, base_in: str
 
 def verify_checkpoint(run_dir: str, adapter_in: str, base_in: str) -> dict:
     """Reload the final adapter through PEFT from disk onto a fresh base; the probe's log-probs must be identical."""
-    from peft import PeftModel
-
     from engine import diagnose as D
-    from engine import model as M
     from engine import runtime
 
     cfg = run_config(run_dir)
@@ -159,8 +156,10 @@ def verify_checkpoint(run_dir: str, adapter_in: str, base_in: str) -> dict:
         prefixes, thoughts, answers = probe_inputs(cfg, trainer, base_in)
         T = cfg.sampler.temperature
         live = D.teacher_forced(trainer.model, prefixes, thoughts, answers, T, trainer.toks)
-        fresh = PeftModel.from_pretrained(M.load_base(base_in, cfg.model.dtype), adapter_in)
-        fresh.eval()
+        from stages.diagnose import _fresh
+
+        # a fresh engine built as a new process would (device, NF4), adapter through PEFT
+        fresh = _fresh(base_in, adapter_in, cfg.model.dtype, cfg.device, cfg.model.quantization)
         reloaded = D.teacher_forced(fresh, prefixes, thoughts, answers, T, trainer.toks)
         diffs = [float((a - b).abs().max()) for a, b in zip(live, reloaded)]
         identical = all(torch.equal(a, b) for a, b in zip(live, reloaded))

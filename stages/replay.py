@@ -20,7 +20,7 @@ import torch
 
 from artifacts import RunDir, append_jsonl, read_table, to_tensor_list, verify, write_json, write_table
 from engine import gates
-from engine.replay import PeakMemory, Turns, plan_for, score_microbatch
+from engine.replay import Turns, plan_for, score_microbatch
 from stages import faults
 from stages.context import run_config, timer
 
@@ -55,7 +55,6 @@ def replay(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: 
         engine.use_adapter(adapter_in)
         engine.live.clear()
         plan = plan_for(engine, turns, cfg.replay, cfg.sampler.temperature, sigma)  # raises before any scoring
-        peak = PeakMemory(engine.device)  # replay + optimize peak, for the preflight's estimate
         mbs = plan.microbatches
         ans_lp: list = [None] * len(turns.rows)
         logq: list = [None] * len(turns.rows)
@@ -103,5 +102,5 @@ def replay(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: 
         if keep_graph:
             engine.live[live_key(rollouts_in, engine.adapter_digest)] = live
         out.update(path=path, turns=len(turns.rows), microbatches=len(mbs), tokens=sum(turns.lengths()),
-                   plan=plan.summary(), **peak.read("peak_gb"))
+                   plan=plan.summary())
     return out

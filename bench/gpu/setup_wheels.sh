@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# On the lent H200: install the carried wheels into /tmp/site (see shared DEVICE notes: the machine keeps /tmp while
-# warm, so the GPU extra travels in two calls: .whl/a = pydantic + fla + tilelang's dependencies, .whl/b = tilelang).
-# Usage: source bench/gpu/setup_wheels.sh a|b
+# On the lent H200: install the carried wheels (bench/gpu/fetch_wheels.sh made them) into /tmp/site. The machine keeps
+# /tmp only while warm (about 30 s after a call), so parts go in consecutive calls, one part carried per call.
+# Usage: source bench/gpu/setup_wheels.sh a|b|p|n      (b needs a in the same warm machine)
 part=$1
 if [ "$part" = b ] && [ ! -f /tmp/site/.lgrpo-part-a ]; then
   echo "COLD: /tmp/site from part a is gone (the machine was given back); run part a again first"; return 3 2>/dev/null || exit 3

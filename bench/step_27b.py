@@ -1,0 +1,112 @@
+"""The recipe's GRPO step at full size through the real pipeline: fresh and reuse steps, per-phase figures.
+
+    python bench/step_27b.py --groups 1 --out bench/results/h200-step-27b-g1.json     # 4 rows (one group of 4)
+    python bench/step_27b.py --groups 4 --out bench/results/h200-step-27b-g4.json     # 16 rows
+    python bench/step_27b.py --config tiny --small ...                                # the flow on the CPU
+
+Runs `lgrpo train --config qwen35-27b-step` (Prefect: one step flow per GRPO step, every gate, Arrow/safetensors
+artifacts; configs/qwen35-27b-step.yaml: the 27B text shape at random weights, NF4 base, DoRA r16, the synthetic
+gym in the recipe's shape) for two steps (fresh, reuse), then reads the run directory and prints per step: seconds
+per phase (export, latent = prefix-cached prefill + latent loop, answers, gym, replay, optimize), peak GB per stage,
+replay tokens and tokens/s (replay score + optimize backward), replay MFU, the preflight's estimated peak against
+the measured replay/optimize peak, and the gates (rollout parity, probe, verified checkpoint).
+
+MFU counts useful FLOPs 4·P·T per replayed token (forward 2·P·T plus the input-gradient backward of a frozen base,
+2·P·T; P = matmul parameters of the decoder) plus causal attention, over 989 TFLOP/s (H200 dense BF16); recompute
+(checkpointing, two-pass) counts as time, not as FLOPs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+PEAK_FLOPS = 989e12
+
+
+def matmul_params(arch: dict) -> float:
+    """Matmul parameters of one forward of the Qwen3.5 decoder (per token), without the LM head."""
+    h, i = arch["hidden_size"], arch["intermediate_size"]
+    kinds = arch.get("layer_types") or ["linear_attention", "linear_attention", "linear_attention", "full_attention"] \
+        * (arch["num_hidden_layers"] // 4)
+    qd, kvd = arch["num_attention_heads"] * arch["head_dim"], arch["num_key_value_heads"] * arch["head_dim"]
+    kd, vd = arch["linear_num_key_heads"] * arch["linear_key_head_dim"], \
+        arch["linear_num_value_heads"] * arch["linear_value_head_dim"]
+    attn = h * 2 * qd + 2 * h * kvd + qd * h  # q (+ gate), k, v, o
+    gdn = h * (2 * kd + vd) + h * vd + 2 * h * arch["linear_num_value_heads"] + vd * h  # qkv, z, b, a, out
+    mlp = 3 * h * i
+    return float(sum((attn if k == "full_attention" else gdn) + mlp for k in kinds))
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="qwen35-27b-step")
+    p.add_argument("--groups", type=int, default=1)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--run-dir", default=None)
+    p.add_argument("--set", action="append", default=[], help="extra key=value overrides for lgrpo train")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+
+    from configs.schema import load_config
+
+    run_dir = Path(a.run_dir or f"runs/step-27b-g{a.groups}-{int(time.time())}").resolve()
+    sets = ["--set", f"grpo.groups_per_step={a.groups}", *sum((["--set", s] for s in a.set), [])]
+    cmd = [sys.executable, "-m", "lgrpo_cli", "train", "--config", a.config, "--steps", str(a.steps),
+           "--run-dir", str(run_dir), *sets]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=os.environ.copy(), capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    res: dict = {"command": " ".join(cmd[1:]), "returncode": proc.returncode, "wall_s": round(wall, 1)}
+    if proc.returncode != 0:
+        res["stderr_tail"] = proc.stderr[-4000:]
+        print(proc.stderr[-4000:])
+    cfg = load_config(a.config, {"grpo.groups_per_step": a.groups})
+    arch = dict(cfg.model.arch)
+    P = matmul_params(arch) if "hidden_size" in arch and "linear_num_key_heads" in arch else None
+    steps = []
+    mpath = run_dir / "metrics.jsonl"
+    for line in (mpath.read_text().splitlines() if mpath.exists() else []):
+        m = json.loads(line)
+        ph = m.get("phases", {})
+        row = {"step": m["step"], "kind": m["kind"], "phases_s": ph, "stage_seconds": m.get("stage_seconds"),
+               "peak_gb": m.get("peak_gb"), "parity_mean": m.get("parity_mean"), "parity_max": m.get("parity_max"),
+               "masked": m.get("parity_masked"), "grad_norm": m.get("grad_norm"), "reward_mean": m.get("reward_mean"),
+               "replay_tokens": m.get("replay_tokens"), "replay_plan": m.get("replay_plan")}
+        T = m.get("replay_tokens")
+        rs = ph.get("replay", 0.0) + ph.get("optimize", 0.0)
+        if T and rs:
+            row["replay_tokens_per_s"] = round(T / rs, 1)
+            if P is not None:
+                row["replay_mfu"] = round(4 * P * T / rs / PEAK_FLOPS, 4)
+        est = (m.get("replay_plan") or {}).get("est_peak_gb")
+        meas = max((m.get("peak_gb") or {}).get(k, 0.0) for k in ("replay", "optimize")) if m.get("peak_gb") else None
+        if est and meas:
+            row["preflight_est_vs_measured"] = round(est / meas, 3)
+        steps.append(row)
+    res["steps"] = steps
+    for name in ("verified_checkpoint.json",):
+        f = run_dir / name
+        res[name.split(".")[0]] = json.loads(f.read_text()) if f.exists() else None
+    ph_hist = run_dir / "probe_history.jsonl"
+    res["probes"] = [json.loads(x) for x in ph_hist.read_text().splitlines()] if ph_hist.exists() else []
+    print(f"\nstep flow of {a.config} with {a.groups} group(s), return code {proc.returncode}, {wall:.0f} s wall")
+    for r in steps:
+        print(f"step {r['step']} {r['kind']:<6} " + " ".join(f"{k} {v:.1f}s" for k, v in r["phases_s"].items())
+              + f" | replay {r.get('replay_tokens')} tok, {r.get('replay_tokens_per_s')} tok/s, MFU {r.get('replay_mfu')}"
+              + f" | peak {r.get('peak_gb')} | preflight/measured {r.get('preflight_est_vs_measured')}"
+              + f" | parity {r.get('parity_mean')}/{r.get('parity_max')}")
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main()

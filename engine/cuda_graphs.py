@@ -673,17 +673,40 @@ class GraphedDecoder(_StaticDecoder):
                     gen: torch.Generator, limits: list[int] | None = None
                     ) -> tuple[list[list[int]], list[list[float]]]:
         """After prefix_cache.prefill_rows: <think> ⊕ z_1..z_K ⊕ </think> is fed as one chunk (eager), then tokens."""
+        with self._adapter():
+            key = self._start_rows(row_states, thoughts, max_new, temperature, toks)
+            return self._loop(key, max_new, toks, gen, limits)
+
+    @torch.no_grad()
+    def forced_rows(self, row_states, thoughts: torch.Tensor, answer: list[int], temperature: float,
+                    toks: Tokens) -> torch.Tensor:
+        """sample_rows teacher-forced (the failure diagnostic): the same prefill, chunk and decode steps -- warm-up,
+        capture, replay when graphed -- with the answer's tokens fed instead of sampled ones, every row the same
+        answer. Returns the (B, L, V) post-temperature log-softmax before each answer token (FP32)."""
+        out = []
+        with self._adapter():
+            key = self._start_rows(row_states, thoughts, len(answer), temperature, toks)
+            for i, tok in enumerate(answer):
+                out.append(self.logp.clone())
+                if i == len(answer) - 1:
+                    break
+                self.ids.fill_(int(tok))
+                self._run_step(key)
+        return torch.stack(out, 1)
+
+    def _start_rows(self, row_states, thoughts: torch.Tensor, max_new: int, temperature: float, toks: Tokens):
+        """Rows restored into the static cache, <think> ⊕ z_1..z_K ⊕ </think> fed as one eager chunk: self.logp
+        holds the first answer token's distribution. Returns the graph key."""
         B = len(row_states.rows)
         K = thoughts.shape[1]
-        with self._adapter():
-            self._ensure(B, max(row_states.lengths) + K + 2 + max_new)
-            key = self._setup(temperature)
-            self.pos.copy_(self.cache.load_rows(row_states))
-            x = torch.cat([self.emb(torch.full((B, 1), toks.think, dtype=torch.long, device=self.dev)),
-                           thoughts.to(device=self.dev, dtype=self.dtype),
-                           self.emb(torch.full((B, 1), toks.answer_open, dtype=torch.long, device=self.dev))], 1)
-            self.logp.copy_(self._logp(self._chunk(x)))
-            return self._loop(key, max_new, toks, gen, limits)
+        self._ensure(B, max(row_states.lengths) + K + 2 + max_new)
+        key = self._setup(temperature)
+        self.pos.copy_(self.cache.load_rows(row_states))
+        x = torch.cat([self.emb(torch.full((B, 1), toks.think, dtype=torch.long, device=self.dev)),
+                       thoughts.to(device=self.dev, dtype=self.dtype),
+                       self.emb(torch.full((B, 1), toks.answer_open, dtype=torch.long, device=self.dev))], 1)
+        self.logp.copy_(self._logp(self._chunk(x)))
+        return key
 
     def _setup(self, temperature: float):
         self._temp = float(temperature)

@@ -6,6 +6,9 @@ Every path that produces a log-prob for an answer token can be re-run in isolati
   alone or batched with other turns;
 * ``cached_decode``: the sampler's own way: prefill the prompt embeddings, then feed the answer token by token
   through the incremental cache;
+* ``static_decode``: the sampler's static-cache decoder (engine.cuda_graphs.GraphedDecoder), teacher-forced, either
+  captured into a CUDA graph and replayed or run eagerly (same step function, kernels and buffers: bitwise equal by
+  contract);
 * ``adapter_layer_outputs``: the output of every adapter-wrapped Linear (LoRA/DoRA) for one input, to compare two
   engines layer by layer (bitwise where the arithmetic is the same).
 """
@@ -78,6 +81,23 @@ def prefix_cached_decode(model, prefix: list[int], thoughts: torch.Tensor, answe
     x = torch.cat([emb(torch.tensor([[toks.think]], device=dev)), thoughts.to(device=dev, dtype=emb.weight.dtype)[None],
                    emb(torch.tensor([[toks.answer_open]], device=dev))], 1)
     return _forced_answer(model, run(x), answer, temperature, run)
+
+
+@torch.no_grad()
+def static_decode(model, prefix: list[int], thoughts: torch.Tensor, answer: list[int], temperature: float,
+                  toks: M.Tokens, graphed: bool) -> tuple[torch.Tensor, dict[str, int]]:
+    """The hf sampler's static-cache path, teacher-forced, batch 1: the prefix prefilled alone (no prefix cache),
+    <think> ⊕ z ⊕ </think> as one chunk, then the answer tokens as decode steps -- warm-up, capture and CUDA-graph
+    replay (graphed=True, CUDA only) or the identical steps run eagerly (graphed=False). A fresh decoder each call:
+    nothing captured by the live engine is reused. Returns the (L, V) post-temperature log-softmax and the decoder's
+    step counts (eager / warmup / capture / replay)."""
+    from engine import prefix_cache as PC
+    from engine.cuda_graphs import GraphedDecoder
+
+    dec = GraphedDecoder(model, graphed=graphed)
+    rows = PC.prefill_rows(model, [prefix], None)
+    lsm = dec.forced_rows(rows, thoughts[None], answer, temperature, toks)[0]
+    return lsm, dec.stats()["counts"]
 
 
 def adapter_modules(model) -> dict[str, torch.nn.Module]:

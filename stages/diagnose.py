@@ -9,12 +9,16 @@ Paths (the reference is a trainer freshly loaded from disk: base + the step's ad
 * ``sampler/live-alone``: the live sampler engine, teacher-forced alone, no cache (prefix cache cleared);
 * ``sampler/live-batched``: the live sampler engine, the worst turns batched together, no cache;
 * ``sampler/live-cached``: the live sampler engine decoding through its incremental cache, alone;
-* ``sampler/fresh-alone``: a sampler freshly loaded (export checkpoint + the step's adapter from disk), alone.
+* ``sampler/fresh-alone``: a sampler freshly loaded (export checkpoint + the step's adapter from disk), alone;
+* ``sampler/static-graphed``, ``sampler/static-eager`` (hf sampler on CUDA): the static-cache decoder of
+  engine.cuda_graphs, teacher-forced alone, its decode steps captured into a CUDA graph and replayed vs run eagerly
+  (same step function and buffers: equal bit for bit by contract). Without CUDA there is no graph: the result's
+  ``graph_vs_eager`` names the pair as skipped and why (also for the vLLM sampler, whose graphs are its own).
 
 Two direct checks name the cause when a path disagrees: the live sampler's adapter weights against the step's
 adapter on disk (stale or corrupted weights), and every adapter layer's output of the live sampler against the
 trainer's on the worst turn (same weights, different arithmetic: e.g. a DoRA path that rounds twice).
-Graph-vs-eager paths join the list where CUDA graphs exist. Output: <step>/diagnostic-<gate>.json.
+Output: <step>/diagnostic-<gate>.json.
 """
 
 from __future__ import annotations
@@ -79,6 +83,9 @@ def _verdict(paths: dict[str, float], weights: dict, layers: dict) -> tuple[list
         return bad, "trainer batching: the replay micro-batch value differs from the same turn scored alone"
     if sampler_live == ["sampler/live-batched"]:
         return bad, "sampler batching: batched teacher forcing differs from the same turn alone"
+    if "sampler/static-graphed" in bad and "sampler/static-eager" not in bad:
+        return bad, ("sampler CUDA graph replay: the graphed static decode differs from the same steps run eagerly "
+                     "(a stale capture: buffers re-bound or constants changed since the graph was captured)")
     if "sampler/live-cached" in bad and "sampler/live-alone" not in bad:
         return bad, "sampler incremental cache: decoding through the cache differs from a full forward"
     if "sampler/prefix-cache-live" in bad and "sampler/prefix-cache-cold" not in bad:
@@ -92,6 +99,31 @@ def _verdict(paths: dict[str, float], weights: dict, layers: dict) -> tuple[list
     return bad, "paths disagree: " + ", ".join(bad)
 
 
+def graph_vs_eager_status(cfg, sampler) -> dict:
+    """Whether the graphed-vs-eager pair can run here: {"status": "run"} or {"status": "skipped", "reason": ...}."""
+    if cfg.sampler.kind != "hf":
+        return {"status": "skipped", "reason": f"sampler.kind={cfg.sampler.kind}: its CUDA graphs are inside the "
+                                               "engine, not hookable (the isolated paths cover it alone / batched)"}
+    if sampler.device.type != "cuda":
+        return {"status": "skipped", "reason": f"no CUDA: the sampler runs on {sampler.device.type}, where the static "
+                                               "decoder runs eagerly and there is no graph to compare"}
+    return {"status": "run", "used_by_run": bool(sampler.graphs), "tokens": []}
+
+
+def _graph_paths(graph: dict, sampler, T: float, case: dict) -> dict[str, float]:
+    """sampler/static-graphed and sampler/static-eager for one case; records their bitwise comparison in graph."""
+    from engine import diagnose as D
+
+    if graph["status"] != "run":
+        return {}
+    p, z, a, j = case["prefix"], case["thoughts"], case["answer"], case["token"]
+    g, counts = D.static_decode(sampler.model, p, z, a, T, sampler.toks, graphed=True)
+    e, _ = D.static_decode(sampler.model, p, z, a, T, sampler.toks, graphed=False)
+    graph["tokens"].append({**case["where"], "bitwise_equal": bool(torch.equal(g, e)),
+                            "max_abs_diff": float((g - e).abs().max()), "graph_replays": counts.get("replay", 0)})
+    return {"sampler/static-graphed": _token_lp(g, a, j), "sampler/static-eager": _token_lp(e, a, j)}
+
+
 def _analyse(cfg, trainer, sampler, fresh_t, fresh_s, cases: list[dict], gate_values: list[tuple[float, float]]):
     from engine import diagnose as D
 
@@ -103,6 +135,7 @@ def _analyse(cfg, trainer, sampler, fresh_t, fresh_s, cases: list[dict], gate_va
     from engine import runtime
 
     live_cache = runtime.sampler_prefix_cache(cfg, trainer, sampler)  # as it is (entries of the failed round)
+    graph = graph_vs_eager_status(cfg, sampler)
     tokens = []
     for i, c in enumerate(cases):
         p, z, a, j = c["prefix"], c["thoughts"], c["answer"], c["token"]
@@ -119,12 +152,13 @@ def _analyse(cfg, trainer, sampler, fresh_t, fresh_s, cases: list[dict], gate_va
             "sampler/prefix-cache-live": _token_lp(D.prefix_cached_decode(sampler.model, p, z, a, T, sampler.toks,
                                                                            live_cache), a, j),
             "sampler/fresh-alone": _token_lp(D.teacher_forced(fresh_s, [p], [z], [a], T, sampler.toks)[0], a, j),
+            **_graph_paths(graph, sampler, T, c),
         }
         tokens.append({**c["where"], "token_id": a[j], "paths": paths})
     w = cases[0]
     layers = D.compare_layers(D.adapter_layer_outputs(trainer.model, w["prefix"], w["thoughts"], w["answer"], trainer.toks),
                               D.adapter_layer_outputs(sampler.model, w["prefix"], w["thoughts"], w["answer"], sampler.toks))
-    return tokens, layers
+    return tokens, layers, graph
 
 
 def _analyse_vllm(cfg, trainer, sampler, fresh_t, cases, gate_values):
@@ -149,7 +183,8 @@ def _analyse_vllm(cfg, trainer, sampler, fresh_t, cases, gate_values):
             "sampler/live-batched": _token_lp(batched[i], a, j),
         }
         tokens.append({**c["where"], "token_id": a[j], "paths": paths})
-    return tokens, {"layers": 0, "differing": 0, "first_differing": None, "note": "vLLM layers are not compared"}
+    layers = {"layers": 0, "differing": 0, "first_differing": None, "note": "vLLM layers are not compared"}
+    return tokens, layers, graph_vs_eager_status(cfg, sampler)
 
 
 def diagnose(run_dir: str, step: int, gate: str, report: dict, adapter_in: str, base_in: str,
@@ -191,12 +226,12 @@ def diagnose(run_dir: str, step: int, gate: str, report: dict, adapter_in: str, 
         fresh_t = _fresh(base_in, adapter_in, cfg.model.dtype, cfg.device, cfg.model.quantization)
         step_digest = dir_digest(adapter_in)
         if cfg.sampler.kind == "vllm":
-            tokens, layers = _analyse_vllm(cfg, trainer, sampler, fresh_t, cases, gate_values)
+            tokens, layers, graph = _analyse_vllm(cfg, trainer, sampler, fresh_t, cases, gate_values)
             stale = sampler.adapter_digest != step_digest
             weights = {"tensors": 1, "differing": int(stale), "examples": ["adapter version"] if stale else []}
         else:
             fresh_s = _fresh(export, adapter_in, cfg.model.dtype, cfg.device)
-            tokens, layers = _analyse(cfg, trainer, sampler, fresh_t, fresh_s, cases, gate_values)
+            tokens, layers, graph = _analyse(cfg, trainer, sampler, fresh_t, fresh_s, cases, gate_values)
             weights = adapter_weight_check(sampler.model, adapter_in)
         weights.update(engine_digest=sampler.adapter_digest, step_digest=step_digest)
         guilty: set[str] = set()
@@ -208,8 +243,9 @@ def diagnose(run_dir: str, step: int, gate: str, report: dict, adapter_in: str, 
             verdicts.append(verdict)
         result = {"gate": gate, "step": step, "tolerance": TOL, "reference": "trainer/fresh",
                   "verdict": max(set(verdicts), key=verdicts.count), "disagreeing_paths": sorted(guilty),
-                  "adapter_weights": weights, "layers": layers, "tokens": tokens}
+                  "adapter_weights": weights, "layers": layers, "graph_vs_eager": graph, "tokens": tokens}
         path = RunDir(run_dir).step_dir(step) / f"diagnostic-{gate}.json"
         write_json(path, result)
-        out.update(path=str(path), verdict=result["verdict"], disagreeing_paths=result["disagreeing_paths"])
+        out.update(path=str(path), verdict=result["verdict"], disagreeing_paths=result["disagreeing_paths"],
+                   graph_vs_eager=graph["status"])
     return out

@@ -1,6 +1,6 @@
 """evaluate: held-out episodes (one rollout per task) with a given adapter, through the same stages as training.
 
-Reports mean reward, completion rate (episodes that end with an answer), mean tokens per episode (answers and
+Reports mean reward, success rate (episodes that end with a correct final answer), completion rate (episodes that end with an answer), mean tokens per episode (answers and
 tool results, as counted by the token budget), the tool-error rate (per model turn), the tool-result token share
 and how episodes ended. Episodes and their sealed traces live under <run>/eval-<tag>/.
 """
@@ -49,3 +49,36 @@ def evaluate(run_dir: str, tag: str, adapter_in: str, export_in: str, base_in: s
         write_json(root / "report.json", report)
         out.update(report)
     return out
+
+
+def batch_reward_gain(rollouts_in: str, old_replay_in: str, new_replay_in: str) -> dict:
+    """What one update did to reward on the rollouts it learned from, free of sampling noise.
+
+    The updated policy's expected reward on a fresh step's own rollouts, estimated with self-normalized importance
+    weights w_r = exp(sum over the episode's answer tokens of new - old trainer log-prob) within each GRPO group
+    (thoughts are inputs to both scorings), minus the sampled mean: the gain, averaged over groups. `old_replay_in`
+    is the fresh step's replay, `new_replay_in` the replay of the same rollouts by the next (reuse) step. A
+    correct update raises it; a zero learning rate leaves it at 0; a flipped loss sign makes it negative.
+    """
+    import numpy as np
+
+    roll = read_table(rollouts_in)
+    old, new = read_table(old_replay_in), read_table(new_replay_in)
+    rows = roll.column("row").to_pylist()
+    if old.column("row").to_pylist() != rows or new.column("row").to_pylist() != rows:
+        raise ValueError(f"{old_replay_in} / {new_replay_in} do not replay the turns of {rollouts_in} in order")
+    delta: dict[int, float] = {}
+    for r, a, b in zip(rows, old.column("trainer_logps").to_pylist(), new.column("trainer_logps").to_pylist()):
+        delta[r] = delta.get(r, 0.0) + float(np.sum(np.asarray(b, np.float64) - np.asarray(a, np.float64)))
+    reward = dict(zip(rows, roll.column("reward").to_pylist()))
+    group = dict(zip(rows, roll.column("group").to_pylist()))
+    gains, moved = [], 0
+    for g in sorted(set(group.values())):
+        rs = [r for r in reward if group[r] == g]
+        d = np.asarray([delta[r] for r in rs])
+        w = np.exp(d - d.max())
+        R = np.asarray([reward[r] for r in rs], dtype=np.float64)
+        gains.append(float((w * R).sum() / w.sum() - R.mean()))
+        moved += int(np.ptp(R) > 0)
+    return {"reward_gain": float(np.mean(gains)), "groups": len(gains), "groups_with_signal": moved,
+            "mean_abs_logp_change": float(np.mean(np.abs(list(delta.values()))))}

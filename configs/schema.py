@@ -37,6 +37,11 @@ class ModelConfig(_Strict):
                             "PyTorch reference on this GPU and these versions, the reference elsewhere (one log line "
                             "says which); torch = the reference always; fla = fla's or fail")
     init_seed: int = Field(0, description="seed of the random initialization (tiny / random)")
+    attention_fp32: bool = Field(
+        False, description="attention cores (QK^T, softmax, P·V) in FP32 in the trainer and the hf sampler, in every "
+                           "layout (latent loop, decode, replay), output rounded once to `dtype`. In BF16 the latent "
+                           "loop and replay then compute the same thought means far more often, and the per-step "
+                           "thought density gap is gated (gates.thought_logq_gap_max). No effect in float32")
 
 
 class TokenizerConfig(_Strict):
@@ -269,6 +274,12 @@ class GatesConfig(_Strict):
     parity_token_max: float = 1.0
     parity_min_prob: float = 0.01
     require_nonzero_grad: bool = True
+    thought_logq_gap_max: float = Field(
+        32.0, gt=0, description="with model.attention_fp32: the most a step's recorded thought log-density may differ "
+                                "from replay's under the same adapter (nat, max over its thoughts). Measured on the "
+                                "tiny model in BF16 (d=128, 24 steps of up to 384 thoughts): healthy steps <= 6.0 "
+                                "with the option (<= 8.7 without); replay under an adapter one update away: "
+                                ">= 827. Re-measure for another width before relying on it")
     probe_every: int = Field(10, ge=1, description="teacher-forced probe every N steps (and after the last step)")
     probe_prompts: int = Field(8, ge=1, description="fixed held-out turns both engines score teacher-forced")
     probe_gap_max: float = Field(1.0, gt=0, description="max trainer-vs-sampler gap on a probe token (nat)")

@@ -72,6 +72,21 @@ def rollout_parity(trainer_lp: list[list[float]], sampler_lp: list[list[float]],
     return report, keep
 
 
+def check_thought_gap(gap: float, limit: float, step: int) -> None:
+    """The thought density gap (max |recorded - replayed| log q over a step's thoughts, same adapter): generation and
+    replay must compute the same thought means. Healthy BF16 steps stay a few nats (rounding flips); a different
+    adapter, scale or thought position between the two layouts gives hundreds to thousands."""
+    if gap > limit:
+        raise GateFailed(
+            "thought-density",
+            f"step {step}: a recorded thought log-density differs from replay's by {gap:.3f} nat > {limit} "
+            "(gates.thought_logq_gap_max): the latent loop and replay did not compute the same thought means -- "
+            "check that generation used the step's input adapter, the same sigma and embedding scale, and that "
+            "replay reads mu at the thought positions",
+            {"step": step, "thought_logq_gap_max": gap, "limit": limit},
+        )
+
+
 def check_parity(report: dict) -> None:
     if not report["passed"]:
         raise GateFailed(

@@ -119,6 +119,39 @@ def load_base(path: str | Path, dtype: str, device: str | torch.device = "cpu", 
     return Qwen3_5ForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype]).to(device)
 
 
+FP32_ATTENTION = "lgrpo_sdpa_fp32"  # an attention implementation registered with transformers by use_fp32_attention
+
+
+def _sdpa_fp32(module, query, key, value, attention_mask, *args, **kwargs):
+    """transformers' SDPA attention on FP32 copies of q, k, v (BF16 values are exact in FP32): scores, softmax and
+    P·V in FP32, the output rounded once to the model dtype."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention_mask is not None and attention_mask.is_floating_point():
+        attention_mask = attention_mask.float()
+    out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, *args,
+                                          **kwargs)
+    return out.to(query.dtype), weights
+
+
+def use_fp32_attention(model) -> None:
+    """`model.attention_fp32`: every attention core of `model` computes in FP32 (`_sdpa_fp32`), in every layout --
+    the latent loop's prefill and one-token steps, the static-cache decoder (whose short-query path is FP32 already),
+    replay, activation-checkpoint recomputation.
+
+    Why: with BF16 attention (SDPA in the model dtype), the latent loop (one query over a cache) and replay (the whole
+    turn at once) round the attention output differently in a few elements; the residual stream carries that into
+    mu, and log q = -|z - mu|^2 / (2 sigma^2) turns ulp-sized differences of mu into nats (the final norm and mu
+    themselves are already computed in FP32 from the same BF16 residual: computing them in FP32 does not help)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(FP32_ATTENTION, _sdpa_fp32)
+    AttentionMaskInterface.register(FP32_ATTENTION, sdpa_mask)
+    text, _, _ = _parts(model)
+    text.config._attn_implementation = FP32_ATTENTION
+
+
 def attach_adapter(model, adapter_cfg):
     """Wrap `model` with a PEFT LoRA/DoRA adapter whose weights are FP32 masters; the base is frozen."""
     from peft import LoraConfig, get_peft_model

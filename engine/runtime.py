@@ -120,6 +120,8 @@ def _build(model_dir: str | Path, tok_dir: str | Path, cfg, quantization: str = 
     from engine import gdn
 
     gdn.install(cfg.model.gdn_kernels, base.config, cfg.device)  # before the first forward, whatever transformers routes
+    if cfg.model.attention_fp32:
+        M.use_fp32_attention(base)  # trainer and hf sampler alike: same arithmetic, shared prefix cache, bitwise probe
     torch.manual_seed(cfg.seed)  # adapter init (overwritten by use_adapter anyway)
     model = M.attach_adapter(base, cfg.adapter)
     model.eval()
@@ -146,7 +148,7 @@ def trainer(cfg, base_dir: str | Path, tok_dir: str | Path) -> Engine:
     """The policy the latent loop and replay run on: the base (NF4 when configured) with FP32-master adapter
     weights, on `cfg.device`."""
     key = ("trainer", str(Path(base_dir).resolve()), cfg.adapter.model_dump_json(), cfg.model.dtype,
-           cfg.model.quantization, cfg.device, cfg.generation.model_dump_json())
+           cfg.model.quantization, cfg.model.attention_fp32, cfg.device, cfg.generation.model_dump_json())
     if key not in _ENGINES:
         _ENGINES[key] = _build(base_dir, tok_dir, cfg, cfg.model.quantization)
         _ENGINES[key].prefix_cache = _new_prefix_cache(cfg)
@@ -183,7 +185,8 @@ def sampler(cfg, export_dir: str | Path, tok_dir: str | Path):
     """The sampler engine: the HF engine on its own copy of the base (the export stage's checkpoint), or vLLM
     loaded from that checkpoint (``sampler.kind: vllm``; its cache lives in the run directory <run>/export/..)."""
     key = ("sampler", cfg.sampler.kind, str(Path(export_dir).resolve()), cfg.adapter.model_dump_json(),
-           cfg.model.dtype, cfg.sampler.model_dump_json(), cfg.device, cfg.generation.model_dump_json())
+           cfg.model.dtype, cfg.model.attention_fp32, cfg.sampler.model_dump_json(), cfg.device,
+           cfg.generation.model_dump_json())
     if key not in _ENGINES:
         if cfg.sampler.kind == "vllm":
             from engine.vllm_sampler import from_run_config

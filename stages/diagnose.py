@@ -31,9 +31,10 @@ from stages.context import run_config, timer
 TOL = 0.02  # nat: bf16 cached-vs-full decode differs by ~4e-4 here (fp32: ~2e-7); a defect shows far above
 
 
-def _fresh(model_dir: str, adapter_dir: str, dtype: str, device: str = "cpu", quantization: str = "none"):
+def _fresh(model_dir: str, adapter_dir: str, dtype: str, device: str = "cpu", quantization: str = "none",
+           attention_fp32: bool = False):
     """The engine as a fresh process would build it: base from disk (NF4 when the run's trainer is), adapter
-    through PEFT, on the run's device."""
+    through PEFT, on the run's device, attention in FP32 when the run's engines compute it so."""
     from peft import PeftModel
 
     from engine import model as M
@@ -44,6 +45,8 @@ def _fresh(model_dir: str, adapter_dir: str, dtype: str, device: str = "cpu", qu
         base = load_base_nf4(model_dir, device=device)
     else:
         base = M.load_base(model_dir, dtype, device)
+    if attention_fp32:
+        M.use_fp32_attention(base)
     m = PeftModel.from_pretrained(base, adapter_dir)
     m.eval()
     return m
@@ -223,14 +226,15 @@ def diagnose(run_dir: str, step: int, gate: str, report: dict, adapter_in: str, 
             raise ValueError(f"no diagnostic for gate {gate!r}")
         if not cases:
             raise ValueError(f"gate {gate} report names no tokens to rebuild")
-        fresh_t = _fresh(base_in, adapter_in, cfg.model.dtype, cfg.device, cfg.model.quantization)
+        fresh_t = _fresh(base_in, adapter_in, cfg.model.dtype, cfg.device, cfg.model.quantization,
+                         cfg.model.attention_fp32)
         step_digest = dir_digest(adapter_in)
         if cfg.sampler.kind == "vllm":
             tokens, layers, graph = _analyse_vllm(cfg, trainer, sampler, fresh_t, cases, gate_values)
             stale = sampler.adapter_digest != step_digest
             weights = {"tensors": 1, "differing": int(stale), "examples": ["adapter version"] if stale else []}
         else:
-            fresh_s = _fresh(export, adapter_in, cfg.model.dtype, cfg.device)
+            fresh_s = _fresh(export, adapter_in, cfg.model.dtype, cfg.device, attention_fp32=cfg.model.attention_fp32)
             tokens, layers, graph = _analyse(cfg, trainer, sampler, fresh_t, fresh_s, cases, gate_values)
             weights = adapter_weight_check(sampler.model, adapter_in)
         weights.update(engine_digest=sampler.adapter_digest, step_digest=step_digest)

@@ -178,6 +178,8 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
     out = {"stage": "optimize"}
     with timer(out):
         li = loss_inputs(cfg, rollouts_in, replay_in, old_replay_in)
+        if cfg.model.attention_fp32:  # generation and replay then compute the same thought means: gated
+            gates.check_thought_gap(li.thought_gap, cfg.gates.thought_logq_gap_max, step)
         metrics: dict = {}
         w_thought, w_answer = driver_weights(cfg, li, metrics)
         adv, mask, n_rows = li.adv, li.mask, li.n_rows

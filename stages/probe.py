@@ -159,7 +159,8 @@ def verify_checkpoint(run_dir: str, adapter_in: str, base_in: str) -> dict:
         from stages.diagnose import _fresh
 
         # a fresh engine built as a new process would (device, NF4), adapter through PEFT
-        fresh = _fresh(base_in, adapter_in, cfg.model.dtype, cfg.device, cfg.model.quantization)
+        fresh = _fresh(base_in, adapter_in, cfg.model.dtype, cfg.device, cfg.model.quantization,
+                       cfg.model.attention_fp32)
         reloaded = D.teacher_forced(fresh, prefixes, thoughts, answers, T, trainer.toks)
         diffs = [float((a - b).abs().max()) for a, b in zip(live, reloaded)]
         identical = all(torch.equal(a, b) for a, b in zip(live, reloaded))

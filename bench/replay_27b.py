@@ -126,6 +126,8 @@ def main(argv=None) -> dict:
     p.add_argument("--tiers", nargs="+", default=["two_pass", "checkpoint", "keep"])
     p.add_argument("--shapes", nargs="*", default=["4x4"], help="ROWSxTURNS recipe shapes for the preflight check")
     p.add_argument("--gradcheck-layers", type=int, default=0)
+    p.add_argument("--gradcheck-bases", nargs="+", default=["bf16"], choices=["bf16", "nf4"])
+    p.add_argument("--only-gradcheck", action="store_true", help="skip parts 1 and 2 (no full-size model)")
     p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (quick checks)")
     p.add_argument("--gdn", default="auto", choices=["auto", "torch", "fla"])
     p.add_argument("--probe-tokens", type=int, default=512)
@@ -143,6 +145,16 @@ def main(argv=None) -> dict:
     dev = torch.device("cuda")
     cfg27 = load_config("qwen35-27b")
     arch = dict(cfg27.model.arch)
+    if a.only_gradcheck:
+        res = {"args": vars(a), "versions": gdn.versions(), "gradcheck": {}}
+        for b in a.gradcheck_bases:
+            res["gradcheck"][b] = gradcheck(arch, cfg27, a.gradcheck_layers, dev, b)
+            print(json.dumps(res["gradcheck"][b]), flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+        if a.out:
+            Path(a.out).write_text(json.dumps(res, indent=1))
+        return res
     if a.layers:
         kinds = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
         arch.update(num_hidden_layers=a.layers, layer_types=[kinds[i % 4] for i in range(a.layers)])
@@ -219,14 +231,16 @@ def main(argv=None) -> dict:
     if a.gradcheck_layers:
         del model, eng
         torch.cuda.empty_cache()
-        res["gradcheck"] = gradcheck(arch, cfg27, a.gradcheck_layers, dev)
+        res["gradcheck"] = {b: gradcheck(arch, cfg27, a.gradcheck_layers, dev, b) for b in a.gradcheck_bases}
         print(json.dumps(res["gradcheck"]), flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
     return res
 
 
-def gradcheck(arch: dict, cfg27, layers: int, dev) -> dict:
+def gradcheck(arch: dict, cfg27, layers: int, dev, base: str = "bf16") -> dict:
+    """base bf16: the BF16 base against the same values in FP32. base nf4: an NF4 base (bitsandbytes Linear4bit,
+    the trainer's) against its dequantized weights in FP32 -- the arithmetic is compared, not the quantization."""
     import torch
 
     from configs.schema import ReplayConfig
@@ -237,12 +251,28 @@ def gradcheck(arch: dict, cfg27, layers: int, dev) -> dict:
     kinds = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
     arch = dict(arch, num_hidden_layers=layers, layer_types=[kinds[i % 4] for i in range(layers)])
     vocab = arch["vocab_size"]
-    ref_model = with_adapter(build_random(arch, vocab, dev, torch.float32, 0), cfg27.adapter, 0)
-    bf = with_adapter(build_random(arch, vocab, dev, torch.bfloat16, 0, init=False), cfg27.adapter, 1)
-    bf.load_state_dict({k: v.to(torch.bfloat16) if not ("lora_" in k or "magnitude" in k) else v
-                        for k, v in ref_model.state_dict().items()})
-    ref_model.load_state_dict({k: (v.float() if ("lora_" in k or "magnitude" in k) else
-                                   v.to(torch.bfloat16).float()) for k, v in ref_model.state_dict().items()})
+    adapter_keys = ("lora_", "magnitude")
+    if base == "nf4":
+        from engine.nf4 import iter_bf16_state, quantize_nf4_
+
+        nf_base = build_random(arch, vocab, dev, torch.bfloat16, 0)
+        quantize_nf4_(nf_base)
+        deq = {k: v.float() for k, v in iter_bf16_state(nf_base)}
+        ref_base = build_random(arch, vocab, dev, torch.float32, 0, init=False)
+        missing, unexpected = ref_base.load_state_dict(deq, strict=False)
+        if unexpected or [k for k in missing if "rotary" not in k]:
+            raise RuntimeError(f"NF4 gradcheck: state mismatch {missing[:4]} {unexpected[:4]}")
+        bf = with_adapter(nf_base, cfg27.adapter, 0)
+        ref_model = with_adapter(ref_base, cfg27.adapter, 0)
+        ref_model.load_state_dict({k: v.float() for k, v in bf.state_dict().items()
+                                   if any(a in k for a in adapter_keys)}, strict=False)  # identical FP32 masters
+    else:
+        ref_model = with_adapter(build_random(arch, vocab, dev, torch.float32, 0), cfg27.adapter, 0)
+        bf = with_adapter(build_random(arch, vocab, dev, torch.bfloat16, 0, init=False), cfg27.adapter, 1)
+        bf.load_state_dict({k: v.to(torch.bfloat16) if not any(a in k for a in adapter_keys) else v
+                            for k, v in ref_model.state_dict().items()})
+        ref_model.load_state_dict({k: (v.float() if any(a in k for a in adapter_keys) else
+                                       v.to(torch.bfloat16).float()) for k, v in ref_model.state_dict().items()})
     eng_ref, eng_bf = Eng(ref_model), Eng(bf)
     turns = make_turns([1500, 1800, 2100, 2400], 16, 64, arch["hidden_size"], vocab, eng_ref.scale, 5)
     wq = [torch.full((16,), 1e-3, device=dev) for _ in turns.rows]
@@ -259,7 +289,7 @@ def gradcheck(arch: dict, cfg27, layers: int, dev) -> dict:
         sum((wa[n] * a[n]).sum() + (wq[n] * q[n]).sum() for n in idx).backward()
     ref = {n: p_.grad.double().cpu() for n, p_ in ref_model.named_parameters() if p_.requires_grad}
     gdn.install("fla" if chosen.get("chunk") == "fla" else "torch", ref_model.config, dev)
-    out = {"layers": layers, "tokens": sum(turns.lengths()), "gdn": gdn.chosen()}
+    out = {"base": base, "layers": layers, "tokens": sum(turns.lengths()), "gdn": gdn.chosen()}
     # the same BF16 base through PEFT's own forward/autograd, every turn in one batch, no memory policy: isolates
     # what the tiers, micro-batching, the lean adapter backward and the chunked log-probs change
     for p_ in bf.parameters():

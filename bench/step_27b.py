@@ -53,6 +53,9 @@ def main(argv=None) -> dict:
     p.add_argument("--run-dir", default=None)
     p.add_argument("--set", action="append", default=[], help="extra key=value overrides for lgrpo train")
     p.add_argument("--out", default=None)
+    p.add_argument("--log", default=None, help="the training run's output (default: <run dir>.log)")
+    p.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds; the figures "
+                   "of the steps it finished are still written")
     a = p.parse_args(argv)
 
     from configs.schema import load_config
@@ -61,13 +64,26 @@ def main(argv=None) -> dict:
     sets = ["--set", f"grpo.groups_per_step={a.groups}", *sum((["--set", s] for s in a.set), [])]
     cmd = [sys.executable, "-m", "lgrpo_cli", "train", "--config", a.config, "--steps", str(a.steps),
            "--run-dir", str(run_dir), *sets]
+    log = Path(a.log) if a.log else run_dir.with_name(run_dir.name + ".log")
+    log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=os.environ.copy(), capture_output=True, text=True)
+    with open(log, "w") as f:  # streamed: a run stopped by --timeout still leaves its log and metrics
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=os.environ.copy(), stdout=f, stderr=subprocess.STDOUT, text=True)
+        try:
+            rc = proc.wait(timeout=a.timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            rc = f"stopped after --timeout {a.timeout} s"
     wall = time.perf_counter() - t0
-    res: dict = {"command": " ".join(cmd[1:]), "returncode": proc.returncode, "wall_s": round(wall, 1)}
-    if proc.returncode != 0:
-        res["stderr_tail"] = proc.stderr[-4000:]
-        print(proc.stderr[-4000:])
+    res: dict = {"command": " ".join(cmd[1:]), "returncode": rc, "wall_s": round(wall, 1), "log": str(log)}
+    if rc != 0:
+        tail = log.read_text()[-4000:]
+        res["log_tail"] = tail
+        print(tail)
     cfg = load_config(a.config, {"grpo.groups_per_step": a.groups})
     arch = dict(cfg.model.arch)
     P = matmul_params(arch) if "hidden_size" in arch and "linear_num_key_heads" in arch else None
@@ -97,7 +113,7 @@ def main(argv=None) -> dict:
         res[name.split(".")[0]] = json.loads(f.read_text()) if f.exists() else None
     ph_hist = run_dir / "probe_history.jsonl"
     res["probes"] = [json.loads(x) for x in ph_hist.read_text().splitlines()] if ph_hist.exists() else []
-    print(f"\nstep flow of {a.config} with {a.groups} group(s), return code {proc.returncode}, {wall:.0f} s wall")
+    print(f"\nstep flow of {a.config} with {a.groups} group(s), return code {rc}, {wall:.0f} s wall")
     for r in steps:
         print(f"step {r['step']} {r['kind']:<6} " + " ".join(f"{k} {v:.1f}s" for k, v in r["phases_s"].items())
               + f" | replay {r.get('replay_tokens')} tok, {r.get('replay_tokens_per_s')} tok/s, MFU {r.get('replay_mfu')}"

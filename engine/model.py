@@ -59,23 +59,33 @@ RANDOM_BASE = "random_base.json"  # a base that is a recipe, not weights: arch +
 
 
 def build_random_on(arch: dict, vocab_size: int, pad_id: int, eos_id: int, seed: int, dtype: torch.dtype,
-                    device, std: float = 0.02, init: bool = True):
-    """Qwen3_5ForCausalLM with random weights built directly on `device`: meta build, to_empty, in-place init from a
-    generator on that device (a 27B model in < 1 s on a GPU, never on the CPU). Deterministic in (arch, seed,
-    device type). init=False leaves the weights unset for the caller to fill (e.g. from a dequantized NF4 base)."""
+                    device, std: float = 0.02, init: bool = True, after_layer=None):
+    """Qwen3_5ForCausalLM with random weights built directly on `device`: meta build, each module's own tensors
+    materialized (to_empty) just before its in-place init from one generator on that device (a 27B model in < 1 s
+    on a GPU, never on the CPU). Deterministic in (arch, seed, device type). init=False leaves the weights unset for
+    the caller to fill (e.g. from a dequantized NF4 base). after_layer(layer) runs once a decoder layer is complete
+    (all its weights set), before the next one is materialized: the NF4 build quantizes there, so the whole BF16
+    model never exists on the device at once (peak: the quantized model plus one BF16 layer)."""
     from transformers import Qwen3_5ForCausalLM
 
     cfg = tiny_config(arch, vocab_size, pad_id, eos_id)
     with torch.device("meta"):
         model = Qwen3_5ForCausalLM(cfg)
     device = torch.device(device)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
     g = torch.Generator(device=device).manual_seed(seed)
+    last_of = {}  # id(last module of a decoder layer in modules() order) -> the layer
+    for layer in model.model.layers:
+        *_, last = layer.modules()
+        last_of[id(last)] = layer
     done = set()
     with torch.no_grad():
-        for mod in (model.modules() if init else ()):
+        for mod in model.modules():
+            mod.to_empty(device=device, recurse=False)
             name = type(mod).__name__
-            if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d)):
+            if not init:
+                pass
+            elif isinstance(mod, (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d)):
                 mod.weight.normal_(0, std, generator=g)
                 done.add(id(mod.weight))
                 if getattr(mod, "bias", None) is not None:
@@ -92,7 +102,14 @@ def build_random_on(arch: dict, vocab_size: int, pad_id: int, eos_id: int, seed:
                 a = torch.empty(mod.A_log.shape, device=device, dtype=torch.float32).uniform_(0.01, 16, generator=g)
                 mod.A_log.copy_(a.log())
                 done.update({id(mod.dt_bias), id(mod.A_log)})
-    missed = [n for n, p in model.named_parameters() if id(p) not in done]
+            if id(mod) in last_of:
+                layer = last_of[id(mod)]
+                missed = [n for n, p in layer.named_parameters() if id(p) not in done]
+                if missed and init:
+                    raise RuntimeError(f"uninitialized parameters: {missed[:5]}")
+                if after_layer is not None:
+                    after_layer(layer)
+    missed = [n for n, p in model.named_parameters() if id(p) not in done and not n.startswith("model.layers.")]
     if missed and init:
         raise RuntimeError(f"uninitialized parameters: {missed[:5]}")
     rot = model.model.rotary_emb  # non-persistent buffers (inv_freq) are garbage after to_empty
@@ -108,14 +125,16 @@ def random_base_manifest(path: str | Path) -> dict | None:
     return json.loads(f.read_text()) if f.exists() else None
 
 
-def load_base(path: str | Path, dtype: str, device: str | torch.device = "cpu", init: bool = True):
-    """A base from a checkpoint directory, or built on `device` from a random-base recipe (random_base.json)."""
+def load_base(path: str | Path, dtype: str, device: str | torch.device = "cpu", init: bool = True,
+              after_layer=None):
+    """A base from a checkpoint directory, or built on `device` from a random-base recipe (random_base.json);
+    after_layer: see build_random_on (random bases only)."""
     from transformers import Qwen3_5ForCausalLM
 
     m = random_base_manifest(path)
     if m is not None:
         return build_random_on(m["arch"], m["vocab_size"], m["pad_id"], m["eos_id"], m["seed"], DTYPES[dtype],
-                               device, m["std"], init=init)
+                               device, m["std"], init=init, after_layer=after_layer)
     return Qwen3_5ForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype]).to(device)
 
 
@@ -312,7 +331,7 @@ def prompt_embeddings(model, prefix: list[int], thoughts: torch.Tensor, toks: To
     dev = emb.weight.device
     head = emb(torch.tensor(prefix + [toks.think], device=dev))
     tail = emb(torch.tensor([toks.answer_open], device=dev))
-    return torch.cat([head, thoughts.to(head.dtype), tail], 0)
+    return torch.cat([head, thoughts.to(device=dev, dtype=head.dtype), tail], 0)
 
 
 @torch.no_grad()

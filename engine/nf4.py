@@ -45,13 +45,20 @@ def quantize_nf4_(model, names=QUANTIZED, compute_dtype=torch.bfloat16, double_q
                   blocksize: int = 64) -> int:
     """Replace the decoder layers' Linear modules named in `names` by bitsandbytes NF4 Linear4bit, in place, on
     the weights' CUDA device. Call before attaching the adapter. Returns the number of replaced layers."""
-    import bitsandbytes as bnb
-
     base = _base(model)
     if any(hasattr(m, "lora_A") for m in base.modules()):
         raise ValueError("quantize the base before attaching the LoRA/DoRA adapter")
+    return _quantize_modules_(base.model.layers, names, compute_dtype, double_quant, blocksize)
+
+
+@torch.no_grad()
+def _quantize_modules_(root, names=QUANTIZED, compute_dtype=torch.bfloat16, double_quant: bool = True,
+                       blocksize: int = 64) -> int:
+    """quantize_nf4_ on the Linear children (named in `names`) of `root`'s modules."""
+    import bitsandbytes as bnb
+
     n = 0
-    for parent in base.model.layers.modules():
+    for parent in root.modules():
         for cname, child in list(parent.named_children()):
             if type(child) is not torch.nn.Linear or cname not in names:
                 continue
@@ -79,8 +86,11 @@ def load_base_nf4(path: str | Path, device: str = "cuda", names=QUANTIZED, doubl
 
     from engine.model import load_base, random_base_manifest
 
-    if random_base_manifest(path) is not None:  # a random-base recipe: built in BF16 on the device, then quantized
-        model = load_base(path, "bfloat16", device)
+    if random_base_manifest(path) is not None:
+        # a random-base recipe: each decoder layer built in BF16 on the device and quantized as soon as it is complete
+        # (the same values as quantizing the whole BF16 model; the 54 GB BF16 27B never exists at once)
+        return load_base(path, "bfloat16", device,
+                         after_layer=lambda layer: _quantize_modules_(layer, names, double_quant=double_quant))
     else:
         model = Qwen3_5ForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, device_map={"": device})
     quantize_nf4_(model, names=names, double_quant=double_quant)

@@ -65,6 +65,12 @@ def timer(out: dict, key: str = "wall_s"):
         if (torch := cuda()) is not None:  # also when the block started CUDA (a stage that loads its engine)
             torch.cuda.synchronize()
             out["peak_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+            # what the stage dropped (a fresh verification engine, spent replay graphs) goes back to the device
+            # before the next stage plans its memory (the replay preflight reads free memory)
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
 
 
 def env_factory(cfg: RunConfig, run_dir: str | Path | None = None):

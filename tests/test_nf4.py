@@ -190,3 +190,40 @@ def test_nf4_dora_gradients_match_bf16_dora_on_the_same_values(init):
         if b > 0:
             assert 0.5 < a / b < 2.0, (part, a, b)
     assert (num / den) ** 0.5 < 0.2
+
+
+def test_random_base_built_layer_by_layer_has_the_whole_build_values():
+    """A random base built with after_layer (each decoder layer handed over as soon as it is complete, the next one
+    not yet materialized) holds exactly the values of the whole build: the NF4 build quantizes in that hook."""
+    arch = load_config("tiny").model.arch
+    whole = M.build_random_on(arch, V, TOKS.pad, TOKS.eos, 3, torch.bfloat16, "cpu")
+    seen = []
+
+    def hook(layer):
+        assert all(p.device.type == "cpu" for p in layer.parameters())
+        seen.append(layer)
+
+    lazy = M.build_random_on(arch, V, TOKS.pad, TOKS.eos, 3, torch.bfloat16, "cpu", after_layer=hook)
+    assert seen == list(lazy.model.layers)
+    a, b = whole.state_dict(), lazy.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.gpu
+def test_random_nf4_base_quantized_per_layer_equals_quantizing_the_whole_model(tmp_path):
+    """engine.nf4.load_base_nf4 on a random-base recipe quantizes each layer as it is built (peak: the NF4 model plus
+    one BF16 layer); the packed weights and their statistics equal quantize_nf4_ of the whole BF16 model."""
+    pytest.importorskip("bitsandbytes")
+    import json
+
+    arch = load_config("tiny").model.arch
+    (tmp_path / M.RANDOM_BASE).write_text(json.dumps({"arch": arch, "vocab_size": V, "pad_id": TOKS.pad,
+                                                       "eos_id": TOKS.eos, "seed": 3, "std": 0.02}))
+    lazy = nf4.load_base_nf4(tmp_path, device="cuda")
+    whole = M.build_random_on(arch, V, TOKS.pad, TOKS.eos, 3, torch.bfloat16, "cuda")
+    nf4.quantize_nf4_(whole)
+    a, b = dict(nf4.iter_bf16_state(whole)), dict(nf4.iter_bf16_state(lazy))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    qa = {k: v for k, v in whole.state_dict().items()}
+    qb = {k: v for k, v in lazy.state_dict().items()}
+    assert qa.keys() == qb.keys() and all(torch.equal(qa[k], qb[k]) for k in qa)

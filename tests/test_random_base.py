@@ -38,14 +38,14 @@ def test_synthetic_gym_shape_and_rewards():
     r2 = env.step(env.oracle_answers(task)[1])
     assert not r2.done and not r2.info["tool_error"] and len(r2.observation.split()) == 7
     r3 = env.step("x")
-    assert r3.done and r3.info["reason"] == "max_turns" and r3.reward in (0.0, 1.0)
+    assert r3.done and r3.info["reason"] == "max_turns" and 0.0 <= r3.reward <= 1.0
     rewards = set()
     for i in range(16):  # the end reward depends on the answers: a group's rows get different rewards
         env.reset(task)
         for t in range(3):
             r = env.step(f"answer {i} {t}")
         rewards.add(r.reward)
-    assert rewards == {0.0, 1.0}
+    assert len(rewards) == 16 and all(0.0 <= x <= 1.0 for x in rewards)
 
 
 def test_random_base_is_a_recipe_built_where_it_runs(tmp_path):

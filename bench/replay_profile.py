@@ -2,7 +2,8 @@
 
     python bench/replay_profile.py --layers 8 --out F.json
 
-Model: the 27B text shape with --layers decoder layers (3 GDN : 1 attention), random BF16 weights, DoRA r16 with FP32
+Model: the 27B text shape with --layers decoder layers (3 GDN : 1 attention), random BF16 weights (--base nf4: then
+quantized to NF4 as in the 27B step), DoRA r16 with FP32
 masters, GDN kernels chosen by engine/gdn.py. Each case scores one micro-batch through engine.replay.score_microbatch
 in the checkpoint tier and back-propagates Σ w·logp through stages.optimize.accumulate_gradients, as a step does.
 
@@ -32,6 +33,8 @@ def main(argv=None) -> dict:
     p.add_argument("--lengths", type=int, nargs="+", default=[3300, 3500, 3300, 3700, 3500])
     p.add_argument("--rows-tokens", type=int, default=3600, help="n for the 1x2n vs 2xn comparison")
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--base", choices=["bf16", "nf4"], default="bf16", help="nf4: bitsandbytes NF4 base, as the 27B step")
+    p.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3], help="which of the three parts to run")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
 
@@ -49,7 +52,12 @@ def main(argv=None) -> dict:
     kinds = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
     arch.update(num_hidden_layers=a.layers, layer_types=[kinds[i % 4] for i in range(a.layers)])
     vocab = arch["vocab_size"]
-    model = with_adapter(build_random(arch, vocab, dev, torch.bfloat16, 0), cfg27.adapter, 0)
+    base = build_random(arch, vocab, dev, torch.bfloat16, 0)
+    if a.base == "nf4":
+        from engine.nf4 import quantize_nf4_
+
+        quantize_nf4_(base)
+    model = with_adapter(base, cfg27.adapter, 0)
     res: dict = {"args": vars(a), "versions": gdn.versions(),
                  "gdn": gdn.install("auto", M._parts(model)[0].config, dev)}
     eng = Eng(model)
@@ -67,7 +75,7 @@ def main(argv=None) -> dict:
         return turns, plan
 
     res["lengths"] = []
-    for i, n in enumerate(a.lengths):
+    for i, n in enumerate(a.lengths if 1 in a.parts else []):
         turns, plan = case([n], 100 + i)
         r = run_plan(eng, turns, rc, plan=plan)
         row = {"prefix_tokens": n, "tokens": r["tokens"], "total_s": r["total_s"], "score_s": r["score_s"],
@@ -77,7 +85,7 @@ def main(argv=None) -> dict:
 
     n = a.rows_tokens
     res["rows"] = []
-    for label, prefixes in (("1x2n", [2 * n]), ("2xn", [n, n]), ("2xn-ragged", [n, n - 400])):
+    for label, prefixes in (("1x2n", [2 * n]), ("2xn", [n, n]), ("2xn-ragged", [n, n - 400])) if 2 in a.parts else ():
         turns, plan = case(prefixes, 7)
         run_plan(eng, turns, rc, plan=plan)  # warm
         r = run_plan(eng, turns, rc, plan=plan)
@@ -86,24 +94,27 @@ def main(argv=None) -> dict:
         res["rows"].append(row)
         print(json.dumps(row), flush=True)
 
-    from torch.profiler import ProfilerActivity, profile
+    if 3 in a.parts:
+        from torch.profiler import ProfilerActivity, profile
 
-    turns, plan = case([2 * n], 7)
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        run_plan(eng, turns, rc, plan=plan)
-    by = defaultdict(lambda: [0.0, 0])
-    total = 0.0
-    for ev in prof.key_averages():
-        if ev.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        t = ev.self_device_time_total
-        by[ev.key][0] += t
-        by[ev.key][1] += ev.count
-        total += t
-    top = sorted(by.items(), key=lambda kv: -kv[1][0])[: a.top]
-    res["profile"] = {"kernel_ms_total": round(total / 1e3, 1), "tokens": sum(turns.lengths()),
-                      "top": [{"kernel": k[:160], "ms": round(v[0] / 1e3, 2), "calls": v[1]} for k, v in top]}
-    print(json.dumps(res["profile"], indent=1), flush=True)
+        turns, plan = case([2 * n], 7)
+        warm = run_plan(eng, turns, rc, plan=plan)  # this length's compile and autotuning, outside the profile
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            run_plan(eng, turns, rc, plan=plan)
+        by = defaultdict(lambda: [0.0, 0])
+        total = 0.0
+        for ev in prof.key_averages():
+            if ev.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            t = ev.self_device_time_total
+            by[ev.key][0] += t
+            by[ev.key][1] += ev.count
+            total += t
+        top = sorted(by.items(), key=lambda kv: -kv[1][0])[: a.top]
+        res["profile"] = {"kernel_ms_total": round(total / 1e3, 1), "tokens": sum(turns.lengths()),
+                          "warm_run": {k: warm[k] for k in ("total_s", "score_s", "backward_s")},
+                          "top": [{"kernel": k[:160], "ms": round(v[0] / 1e3, 2), "calls": v[1]} for k, v in top]}
+        print(json.dumps(res["profile"], indent=1), flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
     return res

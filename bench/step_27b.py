@@ -7,7 +7,9 @@
 Runs `lgrpo train --config qwen35-27b-step` (Prefect: one step flow per GRPO step, every gate, Arrow/safetensors
 artifacts; configs/qwen35-27b-step.yaml: the 27B text shape at random weights, NF4 base, DoRA r16, the synthetic
 gym in the recipe's shape) for two steps (fresh, reuse), then reads the run directory and prints per step: seconds
-per phase (export, latent = prefix-cached prefill + latent loop, answers, gym, replay, optimize), peak GB per stage,
+per phase (prefill = the engines' prefix-cached per-row prefill, latent = the graphed latent loop, answers = the
+graphed decode, generate-other = the rest of generate-turn: the adapter push to the sampler and, at the first turn, the
+sampler's in-memory BF16 export; gym, replay, optimize), peak GB per stage,
 replay tokens and tokens/s (replay score + optimize backward), replay MFU, the preflight's estimated peak against
 the measured replay/optimize peak, and the gates (rollout parity, probe, verified checkpoint).
 
@@ -95,7 +97,8 @@ def main(argv=None) -> dict:
         row = {"step": m["step"], "kind": m["kind"], "phases_s": ph, "stage_seconds": m.get("stage_seconds"),
                "peak_gb": m.get("peak_gb"), "parity_mean": m.get("parity_mean"), "parity_max": m.get("parity_max"),
                "masked": m.get("parity_masked"), "grad_norm": m.get("grad_norm"), "reward_mean": m.get("reward_mean"),
-               "replay_tokens": m.get("replay_tokens"), "replay_plan": m.get("replay_plan")}
+               "replay_tokens": m.get("replay_tokens"), "replay_plan": m.get("replay_plan"),
+               "generate_turns": m.get("generate_turns")}
         T = m.get("replay_tokens")
         rs = ph.get("replay", 0.0) + ph.get("optimize", 0.0)
         if T and rs:
@@ -119,6 +122,8 @@ def main(argv=None) -> dict:
               + f" | replay {r.get('replay_tokens')} tok, {r.get('replay_tokens_per_s')} tok/s, MFU {r.get('replay_mfu')}"
               + f" | peak {r.get('peak_gb')} | preflight/measured {r.get('preflight_est_vs_measured')}"
               + f" | parity {r.get('parity_mean')}/{r.get('parity_max')}")
+        for t in r.get("generate_turns") or []:
+            print("   turn " + " ".join(f"{k}={v}" for k, v in t.items()))
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
     return res

@@ -104,7 +104,8 @@ def grpo_step(run_dir: str, step: int, force_from: Stage | None = None) -> dict:
 
 
 def phase_times(summaries: list[dict]) -> dict[str, float]:
-    """Seconds per phase, as measured by the stages (generation split into latent loop and answers).
+    """Seconds per phase, as measured by the stages (generation split into latent loop and answers, and -- where the
+    engines prefill rows apart from their loops, the CUDA-graphed paths -- into prefill, latent and answers).
 
     Stages Prefect returned from the cache cost nothing in this run and are left out."""
     ph: dict[str, float] = {}
@@ -117,8 +118,11 @@ def phase_times(summaries: list[dict]) -> dict[str, float]:
             continue
         name = s["stage"]
         if name == "generate-turn":
-            add("latent", s.get("latent_s", 0.0))
-            add("answers", s.get("answers_s", 0.0))
+            pre_l, pre_a = s.get("latent_prefill_s"), s.get("answers_prefill_s")
+            if pre_l is not None or pre_a is not None:
+                add("prefill", (pre_l or 0.0) + (pre_a or 0.0))
+            add("latent", s.get("latent_s", 0.0) - (pre_l or 0.0))
+            add("answers", s.get("answers_s", 0.0) - (pre_a or 0.0))
             add("generate-other", s["wall_s"] - s.get("latent_s", 0.0) - s.get("answers_s", 0.0))
         else:
             add(name, s["wall_s"])
@@ -142,6 +146,12 @@ def publish(run_dir: str, step: int, kind: str, summaries: list[dict]) -> dict:
         n_comp = sum(s["prefix_computed_tokens"] for s in gens)
         metrics.update(prefix_input_tokens=n_in, prefix_computed_tokens=n_comp,
                        prefix_computed_share=round(n_comp / max(1, n_in), 4))
+    turn_keys = ("turn", "rows", "prefix_tokens", "answer_tokens", "latent_prefill_s", "latent_s", "answers_prefill_s",
+                 "answers_s", "wall_s", "latent_graph_captures", "answers_graph_captures")
+    turns = [{k: s[k] for k in turn_keys if k in s} for s in summaries
+             if s["stage"] == "generate-turn" and not s.get("cached")]
+    if turns:  # per model turn: where the generate-turn seconds went (bench/step_27b.py prints them)
+        metrics["generate_turns"] = turns
     if "replay" in by and "parity_mean" in by["replay"]:
         metrics.update(parity_mean=by["replay"]["parity_mean"], parity_max=by["replay"]["parity_max"],
                        parity_masked=by["replay"]["masked"])

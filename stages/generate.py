@@ -81,7 +81,8 @@ def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in:
         K = cfg.latent.max_latent_steps
         sigma = cfg.latent.sigma * trainer.scale
         with timer(out, "latent_s"):
-            z, logq = latent_thoughts(trainer, prefixes, boundaries, K, sigma, generator(cfg.seed, step, turn, "latent"))
+            z, logq = latent_thoughts(trainer, prefixes, boundaries, K, sigma, generator(cfg.seed, step, turn, "latent"),
+                                      times=out)
         with timer(out, "answers_s"):
             if cfg.sampler.kind == "vllm":  # prompt embeddings from the trainer's table: the export's values
                 with torch.no_grad():
@@ -90,8 +91,13 @@ def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in:
                                                limits=limits, seed=seed_for(cfg.seed, step, turn, "sampler") % 2**31)
             else:
                 ids, lps = hf_answers(sampler, s_cache, prefixes, boundaries, z, cfg.sampler.max_answer_tokens,
-                                      cfg.sampler.temperature, generator(cfg.seed, step, turn, "sampler"), limits)
+                                      cfg.sampler.temperature, generator(cfg.seed, step, turn, "sampler"), limits,
+                                      times=out)
         z, logq = z.cpu(), logq.cpu()
+        for role, g in (("latent", getattr(trainer, "_latent_graph", None)),
+                        ("answers", getattr(sampler, "_decoder_graph", None))):
+            if g is not None and g.graphed:  # CUDA-graph captures so far in this process (a new batch size or a
+                out[f"{role}_graph_captures"] = g.counts.get("capture", 0)  # longer cache re-captures)
         if caches:  # prefix tokens the engines asked for vs ran through a model (both engines, this turn)
             out["prefix_input_tokens"] = sum(c.input_tokens - b[0] for c, b in zip(caches, before))
             out["prefix_computed_tokens"] = sum(c.computed_tokens - b[1] for c, b in zip(caches, before))
@@ -113,10 +119,32 @@ def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in:
     return out
 
 
-def latent_thoughts(trainer, prefixes: list[list[int]], boundaries, K: int, sigma: float, gen):
+def _prefill_timed(model, prefixes, cache, boundaries, times: dict | None, key: str):
+    """engine.prefix_cache.prefill_rows, its device seconds added to times[key] (the step's "prefill" phase)."""
+    import time
+
+    import torch
+
+    from engine import prefix_cache as PC
+
+    dev = next(model.parameters()).device
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    t = time.perf_counter()
+    rows = PC.prefill_rows(model, prefixes, cache, boundaries)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    if times is not None:
+        times[key] = round(times.get(key, 0.0) + time.perf_counter() - t, 4)
+    return rows
+
+
+def latent_thoughts(trainer, prefixes: list[list[int]], boundaries, K: int, sigma: float, gen,
+                    times: dict | None = None):
     """The trainer's latent loop on its fastest path: CUDA-graph replay on a static cache after a prefix-cached
     per-row prefill (GPU), the prefix-cached loop (CPU), or the plain batched loop (generation.prefix_cache off).
-    Same generator use in every path (one (B, d) block per thought, row order)."""
+    Same generator use in every path (one (B, d) block per thought, row order). times: the graphed path adds its
+    prefill seconds under "latent_prefill_s" (the other paths interleave prefill and loop)."""
     import torch
 
     from engine import model as M
@@ -124,7 +152,7 @@ def latent_thoughts(trainer, prefixes: list[list[int]], boundaries, K: int, sigm
 
     with torch.no_grad():
         if trainer.graphs:
-            rows = PC.prefill_rows(trainer.model, prefixes, trainer.prefix_cache, boundaries)
+            rows = _prefill_timed(trainer.model, prefixes, trainer.prefix_cache, boundaries, times, "latent_prefill_s")
             return trainer.latent_graph().run_rows(rows, K, sigma, trainer.scale, trainer.toks, gen)
         if trainer.prefix_cache is not None:
             return PC.latent_loop_cached(trainer.model, prefixes, K, sigma, trainer.scale, trainer.toks, gen,
@@ -133,9 +161,10 @@ def latent_thoughts(trainer, prefixes: list[list[int]], boundaries, K: int, sigm
 
 
 def hf_answers(sampler, cache, prefixes: list[list[int]], boundaries, z, max_new: int, temperature: float, gen,
-               limits: list[int]):
+               limits: list[int], times: dict | None = None):
     """The hf sampler's answers from prefix ⊕ <think> ⊕ z ⊕ </think>, the rows of a round decoded as one batch:
-    CUDA-graphed decode after a prefix-cached prefill (GPU), prefix-cached (CPU), or plain prompt embeddings."""
+    CUDA-graphed decode after a prefix-cached prefill (GPU), prefix-cached (CPU), or plain prompt embeddings.
+    times: the graphed path adds its prefill seconds under "answers_prefill_s"."""
     import torch
 
     from engine import model as M
@@ -143,7 +172,7 @@ def hf_answers(sampler, cache, prefixes: list[list[int]], boundaries, z, max_new
 
     with torch.no_grad():
         if sampler.graphs:
-            rows = PC.prefill_rows(sampler.model, prefixes, cache, boundaries)
+            rows = _prefill_timed(sampler.model, prefixes, cache, boundaries, times, "answers_prefill_s")
             return sampler.decoder_graph().sample_rows(rows, z, max_new, temperature, sampler.toks, gen, limits)
         if cache is not None:
             return PC.sample_answers_cached(sampler.model, prefixes, z, max_new, temperature, sampler.toks, gen, cache,

@@ -78,3 +78,15 @@ def test_gate_failure_fails_the_task_without_retry(prefect_harness, tmp_path, mo
     diag = read_json(RunDir(tmp_path / "run").step_dir(0) / "diagnostic-rollout-parity.json")
     assert diag["disagreeing_paths"] == ["sampler/rollout"], diag["disagreeing_paths"]
     assert diag["verdict"].startswith("sampler rollout path only")
+
+
+def test_phase_times_split_prefill_from_latent_and_answers_where_the_stage_measured_it():
+    from flows.step import phase_times
+
+    graphed = {"stage": "generate-turn", "wall_s": 10.0, "latent_s": 4.0, "answers_s": 5.0,
+               "latent_prefill_s": 1.5, "answers_prefill_s": 2.0}
+    eager = {"stage": "generate-turn", "wall_s": 3.0, "latent_s": 1.0, "answers_s": 1.5}
+    ph = phase_times([graphed, {"stage": "replay", "wall_s": 7.0}, {"stage": "optimize", "wall_s": 9.0, "cached": True}])
+    assert ph == {"prefill": 3.5, "latent": 2.5, "answers": 3.0, "generate-other": 1.0, "replay": 7.0}
+    assert sum(v for k, v in ph.items() if k != "replay") == graphed["wall_s"]  # the split adds up to the stage
+    assert phase_times([eager]) == {"latent": 1.0, "answers": 1.5, "generate-other": 0.5}  # no prefill measured: none

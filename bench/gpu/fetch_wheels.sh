@@ -2,10 +2,10 @@
 # Here (the CPU machine): download what the GPU machine lacks into two bundles under .whl/ (git-ignored), each under
 # the 64 MiB a device call may carry. On the GPU machine: `source bench/gpu/setup_wheels.sh ga` in one call, then
 # `source bench/gpu/setup_wheels.sh gb` in the next (within the machine's ~30 s warm window, which keeps /tmp/site).
-#   ga  fla-core + flash-linear-attention 0.6.0, apache-tvm-ffi, torch-c-dlpack-ext, pydantic (the schema), and
-#       tilelang 0.1.15 + z3-solver unpacked into one tar.xz (fla's gated chunk backward on Hopper, Triton < 3.7.1)
-#                                                                             (~49 MB)
-#   gb  Prefect 3.9.1 with its dependencies; bitsandbytes 0.50.2 with only its CUDA 13 libraries (NF4 base) (~45 MB)
+#   ga  fla-core + flash-linear-attention 0.6.0, apache-tvm-ffi, torch-c-dlpack-ext, pydantic (the schema),
+#       tilelang 0.1.15 + z3-solver unpacked into one tar.xz (fla's gated chunk backward on Hopper, Triton < 3.7.1),
+#       and bitsandbytes 0.50.2 with only its CUDA 13 and CPU libraries (NF4 base)               (~55 MB)
+#   gb  Prefect 3.9.1 with its dependencies                                                      (~38 MB)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 P="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
@@ -30,10 +30,10 @@ with tarfile.open(W + "/ga/tilelang-z3.tar.xz", "w:xz", preset=9) as tar:
                 data = z.read(info)
                 ti = tarfile.TarInfo(info.filename); ti.size = len(data); ti.mode = 0o755 if info.filename.endswith(".so") else 0o644
                 tar.addfile(ti, io.BytesIO(data))
-# bitsandbytes: only the CUDA 13 libraries (the machine's torch is cu130) and the CPU one; RECORD follows
+# bitsandbytes (in ga: gb is the larger download): only the CUDA 13 libraries (the machine's torch is cu130) and the CPU one; RECORD follows
 src = glob.glob(W + "/tmp/bitsandbytes-*.whl")[0]
 keep = lambda n: not n.endswith(".so") or any(k in n for k in ("cuda130", "cuda132", "_cpu"))
-with zipfile.ZipFile(src) as z, zipfile.ZipFile(W + "/gb/" + os.path.basename(src), "w", zipfile.ZIP_DEFLATED) as out:
+with zipfile.ZipFile(src) as z, zipfile.ZipFile(W + "/ga/" + os.path.basename(src), "w", zipfile.ZIP_DEFLATED) as out:
     for info in z.infolist():
         if not keep(info.filename):
             continue

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the lent H200: install a carried bundle (bench/gpu/fetch_wheels.sh made them) into /tmp/site. The machine keeps
 # /tmp only while warm (about 30 s after a call), so bundles go in consecutive calls, one bundle carried per call.
-# Usage: source bench/gpu/setup_wheels.sh ga|gb      (ga: fla + tilelang + pydantic; gb: Prefect + bitsandbytes)
+# Usage: source bench/gpu/setup_wheels.sh ga|gb      (ga: fla + tilelang + pydantic + bitsandbytes; gb: Prefect)
 part=$1
 if [ -f /tmp/site/.lgrpo-part-$part ]; then
   echo "bundle $part already installed in /tmp/site (warm machine)"

@@ -483,8 +483,9 @@ class _StaticDecoder:
         raise NotImplementedError
 
     def _timed(self, key: str, fn) -> None:
-        self.counts[key] = self.counts.get(key, 0) + 1  # always counted (cheap); timed only when profiling
-        if not self.profile:
+        # always counted (cheap); timed when profiling, and always for the rare, costly warm-up and capture steps
+        self.counts[key] = self.counts.get(key, 0) + 1
+        if not self.profile and key not in ("warmup", "capture"):
             fn()
             return
         _sync(self.dev)

@@ -147,7 +147,8 @@ def publish(run_dir: str, step: int, kind: str, summaries: list[dict]) -> dict:
         metrics.update(prefix_input_tokens=n_in, prefix_computed_tokens=n_comp,
                        prefix_computed_share=round(n_comp / max(1, n_in), 4))
     turn_keys = ("turn", "rows", "prefix_tokens", "answer_tokens", "latent_prefill_s", "latent_s", "answers_prefill_s",
-                 "answers_s", "wall_s", "latent_graph_captures", "answers_graph_captures")
+                 "answers_s", "wall_s", "latent_graph_captures", "answers_graph_captures", "latent_graph_setup_s",
+                 "answers_graph_setup_s")
     turns = [{k: s[k] for k in turn_keys if k in s} for s in summaries
              if s["stage"] == "generate-turn" and not s.get("cached")]
     if turns:  # per model turn: where the generate-turn seconds went (bench/step_27b.py prints them)

@@ -97,12 +97,13 @@ def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in:
         for role, g in (("latent", getattr(trainer, "_latent_graph", None)),
                         ("answers", getattr(sampler, "_decoder_graph", None))):
             if g is not None and g.graphed:  # CUDA-graph captures so far in this process (a new batch size or a
-                out[f"{role}_graph_captures"] = g.counts.get("capture", 0)  # longer cache re-captures)
+                out[f"{role}_graph_captures"] = g.counts.get("capture", 0)  # longer cache re-captures) and the
+                out[f"{role}_graph_setup_s"] = round(g.times.get("warmup", 0.0) + g.times.get("capture", 0.0), 4)
         if caches:  # prefix tokens the engines asked for vs ran through a model (both engines, this turn)
             out["prefix_input_tokens"] = sum(c.input_tokens - b[0] for c, b in zip(caches, before))
             out["prefix_computed_tokens"] = sum(c.computed_tokens - b[1] for c, b in zip(caches, before))
         tok = runtime.tokenizer(tok_dir)
-        texts = [tok.decode(a[:-1] if a and a[-1] == trainer.toks.eos else a, skip_special_tokens=False) for a in ids]
+        texts = [answer_text(tok, a, trainer.toks.eos) for a in ids]
         d = z.shape[-1]
         path = out_path or str(RunDir(run_dir).turn(step, turn))
         write_table(path, {
@@ -117,6 +118,29 @@ def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in:
         out.update(path=path, rows=len(active), answer_tokens=sum(len(a) for a in ids),
                    prefix_tokens=sum(len(p) for p in prefixes))
     return out
+
+
+def answer_text(tok, ids: list[int], eos: int) -> str:
+    """The text the gym sees for one answer (a closing <|im_end|> dropped). A model's vocabulary can be larger than
+    its tokenizer's (padded embedding rows: the 27B shape has 248,320 rows; the random-weight presets keep the
+    project's small tokenizer): an id the tokenizer does not know shows as ``<|id:N|>`` instead of vanishing, so
+    answers that differ in such ids differ in text too (the synthetic gym's reward hashes the text)."""
+    ids = list(ids[:-1] if ids and ids[-1] == eos else ids)
+    n = len(tok)
+    if all(i < n for i in ids):
+        return tok.decode(ids, skip_special_tokens=False)
+    parts, run = [], []
+    for i in ids:
+        if i < n:
+            run.append(i)
+            continue
+        if run:
+            parts.append(tok.decode(run, skip_special_tokens=False))
+            run = []
+        parts.append(f"<|id:{i}|>")
+    if run:
+        parts.append(tok.decode(run, skip_special_tokens=False))
+    return "".join(parts)
 
 
 def _prefill_timed(model, prefixes, cache, boundaries, times: dict | None, key: str):

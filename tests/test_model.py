@@ -124,3 +124,18 @@ def test_adapter_dir_roundtrip_with_peft(tiny, tmp_path):
     x = torch.tensor([prefixes[0]])
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=x).logits, model(input_ids=x).logits)
+
+
+def test_answer_text_shows_ids_the_tokenizer_lacks_and_drops_the_closing_eos(tiny):
+    from stages.generate import answer_text
+
+    _, tok, toks, _, prefixes = tiny
+    known = list(prefixes[0][:5])
+    n = len(tok)
+    assert answer_text(tok, known + [toks.eos], toks.eos) == tok.decode(known, skip_special_tokens=False)
+    # a padded vocabulary (the 27B shape: 248,320 rows over a small tokenizer): unknown ids stay visible and distinct
+    a = answer_text(tok, known[:2] + [n + 7] + known[2:] + [toks.eos], toks.eos)
+    b = answer_text(tok, known[:2] + [n + 8] + known[2:], toks.eos)
+    assert a == tok.decode(known[:2], skip_special_tokens=False) + f"<|id:{n + 7}|>" + \
+        tok.decode(known[2:], skip_special_tokens=False)
+    assert a != b and answer_text(tok, [n, n + 1], toks.eos) == f"<|id:{n}|><|id:{n + 1}|>"

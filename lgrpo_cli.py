@@ -222,7 +222,7 @@ def cmd_gates(args) -> int:
 
 
 def cmd_verify_trace(args) -> int:
-    from gym.trace import TraceError, verify_trace
+    from gyms.trace import TraceError, verify_trace
 
     bad = 0
     for path in args.paths:

@@ -1,4 +1,4 @@
-"""The seed's recipe shape on one GPU: a random-weight model of the Qwen3.5-27B text shape, one GRPO group.
+"""The recipe's shape (docs/architecture.md) on one GPU: a random-weight model of the Qwen3.5-27B text shape, one GRPO group.
 
     python bench/recipe_27b.py --base bf16|nf4 --turns 4 --prompt-tokens 3072 --thoughts 16 \\
         --answer-tokens 64 --tool-tokens 128 --out results.json

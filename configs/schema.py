@@ -325,7 +325,7 @@ class RunConfig(_Strict):
                 "attention) model: the prefix cache stores recurrent GDN states at block boundaries, and MTP verifies "
                 "draft tokens and rolls rejected ones back, so a later turn that reuses a cached prefix can start from "
                 "a recurrent state that does not match its tokens. Only the sampling log-probs show it, and in RL "
-                "they enter the gradient (the seed's 1-nat parity failures). Turn one of them off.")
+                "they enter the gradient (1-nat parity failures seen in a 27B run with both on). Turn one of them off.")
         if s.kind == "hf" and (s.mtp_tokens or s.prefix_caching or s.attention_backend):
             raise ValueError("sampler.mtp_tokens / prefix_caching / attention_backend are vLLM engine settings; the "
                              "hf sampler has none of them: remove them or set sampler.kind: vllm")

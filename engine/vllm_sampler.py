@@ -13,7 +13,7 @@ always reloads.
   removed from the engine; all requests of a call carry the same request, so base-model and LoRA requests are never
   mixed in one batch (on CPU that mix gives wrong tokens, an upstream bug).
 - DoRA (always) and LoRA with ``adapter_path="dense"``: vLLM rejects DoRA adapters, and a merged BF16 weight would
-  round the adapter's ~1e-4 relative contribution away (the seeds' "rounded twice" bug in another form). The sampler
+  round the adapter's ~1e-4 relative contribution away (the "rounded twice" bug of merged adapters in another form). The sampler
   adds the adapter to vLLM's own linear layers with PEFT's arithmetic instead: vLLM computes the BF16 base output, a
   forward hook computes the LoRA term in FP32 from the FP32 masters and combines base output, LoRA term and magnitude
   in FP32, rounding once — the trainer's formula, for single and packed layers alike (:class:`DenseAdapter`).

@@ -1,4 +1,4 @@
-"""A user gym, written against the protocol in ``gym.protocol``: guess a hidden number with a ``probe`` tool.
+"""A user gym, written against the protocol in ``gyms.protocol``: guess a hidden number with a ``probe`` tool.
 
 Plug it in with ``gym.name: examples.guess_gym:GuessGym`` (any importable ``module:Factory`` works; the factory
 receives ``max_turns`` plus ``gym.options``). See docs/gyms.md.
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import random
 
-from gym.protocol import REASON_ANSWER, REASON_MAX_TURNS, EpisodeMetrics, StepResult, Task
-from gym.tools import Tool, ToolCallError, ToolError, format_tool_call, parse_tool_call, run_tool
+from gyms.protocol import REASON_ANSWER, REASON_MAX_TURNS, EpisodeMetrics, StepResult, Task
+from gyms.tools import Tool, ToolCallError, ToolError, format_tool_call, parse_tool_call, run_tool
 
 
 class GuessGym:

@@ -31,10 +31,12 @@ def _content(value: Any) -> Any:
 
 @lru_cache(maxsize=1)
 def code_digest() -> str:
-    """Digest of the code a stage runs (stages/, engine/, gym/, artifacts/): new code never reuses old results."""
+    """Digest of the code a stage runs (stages/, engine/, gyms/, artifacts/): new code never reuses old results."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for pkg in ("stages", "engine", "gym", "artifacts"):
+    for pkg in ("stages", "engine", "gyms", "artifacts"):
+        if not (root / pkg / "__init__.py").exists():  # a renamed package must not drop out of the digest silently
+            raise RuntimeError(f"code_digest: package {pkg}/ not found under {root}")
         for f in sorted((root / pkg).rglob("*.py")):
             h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
     return h.hexdigest()

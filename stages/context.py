@@ -76,7 +76,7 @@ def timer(out: dict, key: str = "wall_s"):
 def env_factory(cfg: RunConfig, run_dir: str | Path | None = None):
     """A zero-argument builder of the configured gym. With ``gym.transport: http`` and a run directory, the
     gym's tools go through the run's tool server (started on first use); otherwise they run in-process."""
-    from gym.registry import make_env_factory
+    from gyms.registry import make_env_factory
 
     options = {"max_turns": cfg.gym.max_turns, **cfg.gym.options}
     if cfg.gym.transport == "http" and run_dir is not None:
@@ -96,8 +96,8 @@ _CLIENTS: dict[tuple[str, str], object] = {}
 
 
 def episode_pool(cfg: RunConfig, run_dir: str | Path):
-    """This process's live environments of the run (see ``gym.episodes.EnvPool``)."""
-    from gym.episodes import EnvPool
+    """This process's live environments of the run (see ``gyms.episodes.EnvPool``)."""
+    from gyms.episodes import EnvPool
 
     key = (str(Path(run_dir).resolve()), config_hash(cfg, "gym"))
     if key not in _POOLS:
@@ -106,8 +106,8 @@ def episode_pool(cfg: RunConfig, run_dir: str | Path):
 
 
 def tool_server_factory_path(name: str) -> str:
-    """The import path the tool server builds the gym's tools from (``gym.<module>:<Class>`` for built-ins)."""
-    from gym.registry import BUILTIN_GYMS
+    """The import path the tool server builds the gym's tools from (``gyms.<module>:<Class>`` for built-ins)."""
+    from gyms.registry import BUILTIN_GYMS
 
     if name in BUILTIN_GYMS:
         factory = BUILTIN_GYMS[name]
@@ -119,8 +119,8 @@ def tool_client(cfg: RunConfig, run_dir: str | Path):
     """The run's HTTP tool client; starts the run's tool server on 127.0.0.1 unless ``tool_server.url`` is set."""
     import atexit
 
-    from gym.server import FaultConfig, start_tool_server
-    from gym.transport import HttpToolClient
+    from gyms.server import FaultConfig, start_tool_server
+    from gyms.transport import HttpToolClient
 
     ts = cfg.gym.tool_server
     key = (str(Path(run_dir).resolve()), config_hash(cfg, "gym"))

@@ -1,4 +1,4 @@
-"""Gradient equivalence on a saved trajectory, and the seed's BF16-LoRA precision finding.
+"""Gradient equivalence on a saved trajectory, and the BF16-LoRA precision finding (BF16 LoRA weights lose small updates).
 
 * ``pipeline_gradients``: the production path in a given base dtype: replay scores every micro-batch in its planned
   tier (graph kept, activation checkpointing, or two-pass), the driver evaluates the loss on the detached log-probs (w = d loss / d logp) and the engine
@@ -20,7 +20,7 @@ from engine import model as M
 from engine.replay import plan_replay, score_microbatch, to_sequences
 from stages.optimize import LossInputs, accumulate_gradients, driver_weights
 
-REL_L2_MAX = 0.002  # the seed's gradient gate; never moved
+REL_L2_MAX = 0.002  # the gradient-equivalence gate (docs/architecture.md); never moved
 NEGLIGIBLE = 1e-6  # a tensor whose reference norm is below this share of the total is compared in absolute terms
 
 

@@ -20,8 +20,8 @@ import numpy as np
 
 from artifacts import RunDir, read_table, write_table
 from engine.chat import observation_block
-from gym.protocol import REASON_ANSWER, REASON_BUDGET, Task
-from gym.trace import TraceError, verify_trace, write_trace
+from gyms.protocol import REASON_ANSWER, REASON_BUDGET, Task
+from gyms.trace import TraceError, verify_trace, write_trace
 from stages.context import episode_pool, reward_functions, run_config, timer
 
 # Columns of a row-state table (tasks.arrow, gym-TT.arrow) and their Arrow element types.

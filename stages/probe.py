@@ -32,7 +32,7 @@ def _probe_turns(cfg_json: str, tok_dir: str) -> tuple[tuple[tuple[int, ...], tu
     from configs.schema import RunConfig
     from engine.chat import first_prompt, observation_block
     from engine.runtime import tokenizer
-    from gym.registry import make_env_factory
+    from gyms.registry import make_env_factory
 
     cfg = RunConfig.model_validate_json(cfg_json)
     tok = tokenizer(tok_dir)

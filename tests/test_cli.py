@@ -26,7 +26,7 @@ def test_gates_summarizes_the_history(tmp_path, capsys):
 
 
 def test_verify_trace_exit_codes(tmp_path, capsys):
-    from gym.trace import TraceRecorder, write_trace
+    from gyms.trace import TraceRecorder, write_trace
 
     rec = TraceRecorder("ep")
     rec.append(call_id="0", tool="calc", arguments={"expression": "1+1"}, observation="2", is_error=False)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gym import (
+from gyms import (
     Env,
     GymRegistryError,
     StepResult,
@@ -25,8 +25,8 @@ from gym import (
     make_env_factory,
     parse_tool_call,
 )
-from gym.table import NAMES, triple_split
-from gym.tools import CALC_TOOL, MAX_TOOL_CALL_CHARS, Tool
+from gyms.table import NAMES, triple_split
+from gyms.tools import CALC_TOOL, MAX_TOOL_CALL_CHARS, Tool
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -76,8 +76,18 @@ def test_task_from_dict_says_what_is_wrong() -> None:
 
 
 def test_gym_does_not_import_torch() -> None:
-    code = "import sys, gym, gym.table, gym.registry; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, gyms, gyms.table, gyms.registry; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+def test_the_gyms_package_does_not_shadow_pypi_gym() -> None:
+    """The project's gyms live in `gyms` (no top-level `gym`): `import gym` from the project root finds only a gym
+    package that is installed, never a folder of this repository."""
+    code = ("import importlib.util, pathlib, sys; s = importlib.util.find_spec('gym'); "
+            "root = pathlib.Path(sys.argv[1]).resolve(); "
+            "assert s is None or root not in pathlib.Path(s.origin or '').resolve().parents, s")
+    subprocess.run([sys.executable, "-c", code, str(REPO)], cwd=REPO, check=True)
+    assert not (Path(REPO) / "gym").exists()
 
 
 # -- oracle episodes --------------------------------------------------------------------------------
@@ -384,7 +394,7 @@ def test_registry_import_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     (tmp_path / "my_gym_mod.py").write_text(
         textwrap.dedent(
             """
-            from gym.table import TableGym
+            from gyms.table import TableGym
 
             def build(**options):
                 return TableGym(**options)
@@ -396,7 +406,7 @@ def test_registry_import_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     assert isinstance(make_env_factory("my_gym_mod:build", {"max_turns": 2})(), TableGym)
-    assert isinstance(make_env_factory("gym.table:TableGym", {})(), TableGym)
+    assert isinstance(make_env_factory("gyms.table:TableGym", {})(), TableGym)
     with pytest.raises(GymRegistryError, match="lacks reset"):
         make_env_factory("my_gym_mod:NotAnEnv", {})
     with pytest.raises(GymRegistryError, match="has no attribute"):
@@ -411,7 +421,7 @@ def test_registry_errors() -> None:
     with pytest.raises(GymRegistryError, match="options"):
         make_env_factory("table", {"colour": "red"})
     with pytest.raises(GymRegistryError, match="pkg.module:Factory"):
-        make_env_factory("gym.table:", {})
+        make_env_factory("gyms.table:", {})
 
 
 def test_progress_reward_pays_each_asked_lookup_once() -> None:

@@ -36,7 +36,7 @@ def test_token_budget_ends_episodes_and_is_never_exceeded(tmp_path, monkeypatch)
     """A sampler that always calls a tool (as a trained agent reading sources does) runs into a 40-token budget."""
     from artifacts import read_json, read_table
     from engine.runtime import tokenizer
-    from gym.tools import format_tool_call
+    from gyms.tools import format_tool_call
     from stages import generate as G
 
     budget = 40
@@ -107,7 +107,7 @@ def test_a_user_gym_with_a_reward_function_runs_through_the_stages(tmp_path):
     for r in final:  # the stored reward = the gym's own reward + the reward function's value
         task = json.loads(r["task"])
         env = GuessGym(max_turns=4, high=8)
-        from gym.protocol import Task
+        from gyms.protocol import Task
 
         env.reset(Task.from_dict(task))
         gym_reward = sum(env.step(a).reward for a in json.loads(r["history"]))
@@ -159,8 +159,8 @@ def _oracle_turns(run_dir: str, tmp_path, *, restart_every: int = 0, fail_turn: 
 
     from artifacts import read_json, read_table, write_table
     from engine.runtime import tokenizer
-    from gym.protocol import Task
-    from gym.research import ResearchGym
+    from gyms.protocol import Task
+    from gyms.research import ResearchGym
     from stages import context
     from stages.generate import sample_tasks
     from stages.gym import run_gym
@@ -216,7 +216,7 @@ def test_research_gym_over_the_tool_server_with_faults_loses_no_episode(tmp_path
 def test_a_tool_server_outage_fails_the_turn_and_a_retry_completes_it(tmp_path):
     """Terminal transport error after the retry budget: run-gym fails (Prefect retries the turn); nothing half-done
     is kept, and the retried turn completes every episode with the same results."""
-    from gym.service import ToolTransportError
+    from gyms.service import ToolTransportError
     from stages import context
 
     run_dir = make_run(tmp_path / "run", **{

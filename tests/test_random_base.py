@@ -28,7 +28,7 @@ RANDOM = {
 
 
 def test_synthetic_gym_shape_and_rewards():
-    from gym.synthetic import SyntheticGym
+    from gyms.synthetic import SyntheticGym
 
     env = SyntheticGym(max_turns=3, prompt_words=50, tool_words=7)
     task = env.sample_tasks(1, seed=0)[0]

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from gym import Env, GymRegistryError, ResearchGym, StepResult, Task, TaskSource, format_tool_call, make_env_factory
-from gym.registry import BUILTIN_GYMS
-from gym.research import ENTITY_NAMES, question_split, split_citations
-from gym.service import LocalToolClient, ToolReply, ToolService, ToolTransportError
-from gym.trace import TraceError, entry_hash, verify_entries
+from gyms import Env, GymRegistryError, ResearchGym, StepResult, Task, TaskSource, format_tool_call, make_env_factory
+from gyms.registry import BUILTIN_GYMS
+from gyms.research import ENTITY_NAMES, question_split, split_citations
+from gyms.service import LocalToolClient, ToolReply, ToolService, ToolTransportError
+from gyms.trace import TraceError, entry_hash, verify_entries
 
 HEX64 = re.compile(r"[0-9a-f]{64}")
 

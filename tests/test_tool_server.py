@@ -1,4 +1,4 @@
-"""The HTTP tool server (gym.server) and its retrying client (gym.transport), against the real server subprocess.
+"""The HTTP tool server (gyms.server) and its retrying client (gym.transport), against the real server subprocess.
 
 Fault injection: each kind alone, refused connections, a dead server (terminal error), 4xx without retry, bad
 request bodies, and the acceptance run (>= 200 concurrent episodes, 20 % of calls faulted over all six kinds:
@@ -16,13 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from gym.server import FAULT_KINDS, DemoTools, FaultConfig, ToolServer, start_tool_server
-from gym.service import ToolClient, ToolService, ToolTransportError
-from gym.tools import calc
-from gym.trace import verify_entries
-from gym.transport import HttpToolClient
+from gyms.server import FAULT_KINDS, DemoTools, FaultConfig, ToolServer, start_tool_server
+from gyms.service import ToolClient, ToolService, ToolTransportError
+from gyms.tools import calc
+from gyms.trace import verify_entries
+from gyms.transport import HttpToolClient
 
-DEMO = "gym.server:DemoTools"
+DEMO = "gyms.server:DemoTools"
 N_DOCS = 50
 DOCS = DemoTools(n_docs=N_DOCS)
 
@@ -190,7 +190,7 @@ def test_a_stopped_server_is_a_terminal_error(tmp_path):
     client = HttpToolClient(proc.url, timeout_s=0.5, max_attempts=3, backoff_base_s=0.01, seed=0)
     assert client.call("ep", "c1", "calc", {"expression": "2+2"}).observation == "4"
     assert proc.stop() == 0
-    assert "gym.server: stopped" in (tmp_path / "server.log").read_text()  # SIGTERM: a clean exit
+    assert "gyms.server: stopped" in (tmp_path / "server.log").read_text()  # SIGTERM: a clean exit
     with pytest.raises(ToolTransportError, match="failed after 3 attempts") as info:
         client.seal("ep")
     assert "seal of episode 'ep'" in str(info.value) and len(info.value.attempts) == 3
@@ -198,7 +198,7 @@ def test_a_stopped_server_is_a_terminal_error(tmp_path):
 
 def test_server_that_cannot_start_raises_with_its_log():
     with pytest.raises(RuntimeError, match="exited with code") as info:
-        start_tool_server("gym.server:NoSuchFactory", {})
+        start_tool_server("gyms.server:NoSuchFactory", {})
     assert "NoSuchFactory" in str(info.value)  # the tail of the child's traceback
 
 

@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
-from gym.service import CallConflict, LocalToolClient, ToolOutput, ToolService
-from gym.tools import CALC_TOOL, Tool, ToolError
-from gym.trace import GENESIS, Receipt, TraceError, TraceRecorder, sha256_text, verify_entries, verify_trace, write_trace
+from gyms.service import CallConflict, LocalToolClient, ToolOutput, ToolService
+from gyms.tools import CALC_TOOL, Tool, ToolError
+from gyms.trace import GENESIS, Receipt, TraceError, TraceRecorder, sha256_text, verify_entries, verify_trace, write_trace
 
 
 def _receipt(doc: str) -> Receipt:
@@ -96,7 +96,7 @@ def test_tampering_cases_name_the_problem() -> None:
         verify_entries(entries[:-1])
     rehashed = [dict(e) for e in entries]  # a forger who recomputes one hash still breaks the next link
     rehashed[0]["observation_sha256"] = sha256_text("forged")
-    from gym.trace import entry_hash
+    from gyms.trace import entry_hash
     rehashed[0]["hash"] = entry_hash(rehashed[0])
     with pytest.raises(TraceError, match=r"entry 1 .*chain is broken"):
         verify_entries(rehashed)

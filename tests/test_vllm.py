@@ -551,7 +551,7 @@ def _peaked_checkpoint(run_root: Path) -> Path:
     from engine import model as M
     from engine.chat import episode_text
     from engine.tokenizer import load_tokenizer, train_tokenizer
-    from gym import TableGym
+    from gyms import TableGym
 
     path = run_root / "pretrained"
     env = TableGym(max_turns=5, table_size=4, max_value=20, ops=["plus"])

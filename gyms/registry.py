@@ -6,10 +6,10 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from gym.protocol import Env
-from gym.research import ResearchGym
-from gym.synthetic import SyntheticGym
-from gym.table import TableGym
+from gyms.protocol import Env
+from gyms.research import ResearchGym
+from gyms.synthetic import SyntheticGym
+from gyms.table import TableGym
 
 BUILTIN_GYMS: dict[str, Callable[..., Env]] = {"table": TableGym, "research": ResearchGym, "synthetic": SyntheticGym}
 

@@ -29,10 +29,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gym.protocol import REASON_ANSWER, REASON_MAX_TURNS, EpisodeMetrics, StepResult, Task
-from gym.service import LocalToolClient, ToolClient, ToolOutput, ToolService
-from gym.table import final_number
-from gym.tools import (
+from gyms.protocol import REASON_ANSWER, REASON_MAX_TURNS, EpisodeMetrics, StepResult, Task
+from gyms.service import LocalToolClient, ToolClient, ToolOutput, ToolService
+from gyms.table import final_number
+from gyms.tools import (
     CALC_TOOL,
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
@@ -43,7 +43,7 @@ from gym.tools import (
     one_arg_tool,
     parse_tool_call,
 )
-from gym.trace import Receipt, TraceError, sha256_text, verify_entries
+from gyms.trace import Receipt, TraceError, sha256_text, verify_entries
 
 # Entity names are an onset syllable plus a coda syllable: short, pronounceable, few distinct BPE pieces.
 _ONSETS = ("Ta", "Os", "Ve", "Mi", "Ka", "Lo", "Ne", "Ri", "Du", "Sa", "Be", "Fo")

@@ -9,7 +9,7 @@ Every tool call of an episode appends one entry::
 
 Sealing appends a last entry ``{"seq": n, "kind": "seal", "episode": E, "count": n, "head": hash of entry n-1,
 "prev": .., "hash": ..}``; nothing may follow it. Receipts (record hashes, payload digests, revisions) are what the
-seed's model wasted 31 % of its context on: here they live only in this trace, where every read stays verifiable.
+27B agent that saw them wasted 31 % of its context on: here they live only in this trace, where every read stays verifiable.
 
 A stored trace is JSON Lines, one entry per line. ``verify_trace`` re-derives every hash and link and raises
 ``TraceError`` naming the first entry (line and seq) that does not check out.

@@ -1,7 +1,7 @@
 """The tool service: executes tool calls for episodes, idempotently, and keeps each episode's sealed trace.
 
-It is the server side of tool use. ``LocalToolClient`` calls it in-process; ``gym.transport.HttpToolClient``
-calls the same service behind the HTTP tool server (``gym.server``). A gym talks only to a ``ToolClient``.
+It is the server side of tool use. ``LocalToolClient`` calls it in-process; ``gyms.transport.HttpToolClient``
+calls the same service behind the HTTP tool server (``gyms.server``). A gym talks only to a ``ToolClient``.
 
 Idempotency: a call is identified by ``(episode, call_id)``. Executing it again (a client retry after a lost
 response, or the driver rebuilding an episode from its history) returns the stored reply and appends nothing to
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from gym.tools import ERROR_PREFIX, Tool, ToolError, validate_arguments
-from gym.trace import Receipt, TraceRecorder, sha256_text
+from gyms.tools import ERROR_PREFIX, Tool, ToolError, validate_arguments
+from gyms.trace import Receipt, TraceRecorder, sha256_text
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,11 @@
 Pure Python (no torch): the driver runs gyms next to the loss.
 """
 
-from gym.protocol import Env, EpisodeMetrics, StepResult, Task, TaskSource
-from gym.registry import GymRegistryError, make_env_factory
-from gym.research import ResearchGym
-from gym.table import TableGym
-from gym.tools import Tool, ToolCall, ToolCallError, ToolError, calc, format_tool_call, parse_tool_call
+from gyms.protocol import Env, EpisodeMetrics, StepResult, Task, TaskSource
+from gyms.registry import GymRegistryError, make_env_factory
+from gyms.research import ResearchGym
+from gyms.table import TableGym
+from gyms.tools import Tool, ToolCall, ToolCallError, ToolError, calc, format_tool_call, parse_tool_call
 
 __all__ = [
     "Env",

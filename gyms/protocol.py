@@ -99,7 +99,7 @@ class Env(Protocol):
     * ``reset(task, episode_id=...)``: the driver passes a run-unique episode id (``run:step:row``) when
       ``reset`` accepts the keyword; gyms with server-side tools key their calls and trace by it;
     * ``close() -> list[dict] | None``: called once when the episode ends for any reason (answer, max_turns,
-      budget); returns the episode's sealed provenance trace (``gym.trace``) or None.
+      budget); returns the episode's sealed provenance trace (``gyms.trace``) or None.
     """
 
     def reset(self, task: Task) -> str:

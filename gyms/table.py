@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
-from gym.protocol import REASON_ANSWER, REASON_MAX_TURNS, EpisodeMetrics, StepResult, Task
-from gym.tools import (
+from gyms.protocol import REASON_ANSWER, REASON_MAX_TURNS, EpisodeMetrics, StepResult, Task
+from gyms.tools import (
     CALC_TOOL,
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,

@@ -16,8 +16,8 @@ import hashlib
 import random
 from typing import Any
 
-from gym.protocol import REASON_MAX_TURNS, EpisodeMetrics, StepResult, Task
-from gym.tools import ToolCallError, format_tool_call, one_arg_tool, parse_tool_call, run_tool
+from gyms.protocol import REASON_MAX_TURNS, EpisodeMetrics, StepResult, Task
+from gyms.tools import ToolCallError, format_tool_call, one_arg_tool, parse_tool_call, run_tool
 
 WORDS: tuple[str, ...] = (
     "alpha", "bravo", "cedar", "delta", "ember", "fox", "gamma", "hazel", "iris", "jade", "kilo", "lemon",

@@ -11,7 +11,7 @@ Endpoints (JSON bodies; every error is a JSON object ``{"error": "..."}``)::
 
 A bad request (not JSON, a missing or mistyped field, a body over ``max_body_bytes``) is answered 400 saying what
 was wrong; an unknown path 404; a call on a sealed episode 409. Calls are idempotent by ``(episode, call_id)``
-(see ``gym.service``), so a client may retry any call whose reply it did not get.
+(see ``gyms.service``), so a client may retry any call whose reply it did not get.
 
 Fault injection (tests, drills): ``FaultConfig`` decides per request, deterministically from ``(seed, request id)``
 (the client's ``X-Request-Id: {episode}/{call_id}/{attempt}`` header), whether to inject one of
@@ -30,7 +30,7 @@ Fault injection (tests, drills): ``FaultConfig`` decides per request, determinis
 Faults apply to ``/v1/call`` and ``/v1/seal`` only, after the request was validated. Every injected fault is
 appended to the fault log (memory, and a JSONL file when given).
 
-Run it as a process: ``python -m gym.server --tools MODULE:FACTORY [--options JSON] [--port-file PATH] ...``
+Run it as a process: ``python -m gyms.server --tools MODULE:FACTORY [--options JSON] [--port-file PATH] ...``
 (``FACTORY(**options).server_tools()`` gives the tools), or from Python with ``start_tool_server(...)``.
 Pure stdlib.
 """
@@ -61,9 +61,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from gym.service import CallConflict, ToolOutput, ToolService
-from gym.tools import CALC_TOOL, Tool, ToolError
-from gym.trace import Receipt, TraceError, sha256_text
+from gyms.service import CallConflict, ToolOutput, ToolService
+from gyms.tools import CALC_TOOL, Tool, ToolError
+from gyms.trace import Receipt, TraceError, sha256_text
 
 FAULT_KINDS = ("latency", "http_5xx", "timeout", "reset", "refused", "malformed")
 FAULTABLE_PATHS = ("/v1/call", "/v1/seal")
@@ -583,7 +583,7 @@ def load_tools(spec: str, options: dict[str, Any] | None = None) -> list[Tool]:
     """``MODULE:FACTORY`` -> ``FACTORY(**options).server_tools()``."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise ValueError(f"--tools {spec!r}: expected MODULE:FACTORY, e.g. gym.server:DemoTools")
+        raise ValueError(f"--tools {spec!r}: expected MODULE:FACTORY, e.g. gyms.server:DemoTools")
     factory: Any = importlib.import_module(module_name)
     for part in attr.split("."):
         factory = getattr(factory, part)
@@ -603,7 +603,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m gym.server", description="Serve gym tools over HTTP.")
+    p = argparse.ArgumentParser(prog="python -m gyms.server", description="Serve gym tools over HTTP.")
     p.add_argument("--tools", required=True, help="MODULE:FACTORY; FACTORY(**options).server_tools() -> tools")
     p.add_argument("--options", default="{}", help="JSON object of keyword arguments for FACTORY")
     p.add_argument("--host", default="127.0.0.1")
@@ -631,7 +631,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not isinstance(options, dict):
             raise ValueError("must be a JSON object")
     except ValueError as exc:
-        print(f"gym.server: --options {args.options[:80]!r}: {exc}", file=sys.stderr)
+        print(f"gyms.server: --options {args.options[:80]!r}: {exc}", file=sys.stderr)
         return 2
     faults = None
     if args.fault_rate > 0:
@@ -652,14 +652,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     server.start()
     if args.port_file:
         _atomic_write_text(Path(args.port_file), f"{server.port}\n")
-    print(f"gym.server: serving {', '.join(service.tools)} on {server.url} (pid {os.getpid()}, faults "
+    print(f"gyms.server: serving {', '.join(service.tools)} on {server.url} (pid {os.getpid()}, faults "
           f"{faults.to_dict() if faults else 'off'})", file=sys.stderr, flush=True)
     while not done.wait(0.5):
         if args.parent_pid is not None and os.getppid() != args.parent_pid:
-            print(f"gym.server: parent {args.parent_pid} is gone; stopping", file=sys.stderr, flush=True)
+            print(f"gyms.server: parent {args.parent_pid} is gone; stopping", file=sys.stderr, flush=True)
             break
     server.stop()
-    print("gym.server: stopped", file=sys.stderr, flush=True)
+    print("gyms.server: stopped", file=sys.stderr, flush=True)
     return 0
 
 
@@ -737,7 +737,7 @@ def start_tool_server(tools: str, options: dict[str, Any] | None = None, *, faul
                       fault_log: str | Path | None = None, log_path: str | Path | None = None,
                       host: str = "127.0.0.1", port: int = 0, ready_timeout_s: float = 30.0,
                       max_body_bytes: int = MAX_BODY_BYTES, read_timeout_s: float = 10.0) -> ServerProcess:
-    """Launch ``python -m gym.server`` as a subprocess and wait until it listens; returns its handle.
+    """Launch ``python -m gyms.server`` as a subprocess and wait until it listens; returns its handle.
 
     The child gets a clean environment (PATH; PYTHONPATH = the repo root, the inherited PYTHONPATH, the caller's
     cwd; locale, TMPDIR, HOME) and runs from the repo root; its stdout/stderr go to ``log_path`` (default: a temporary file). It exits when this
@@ -747,7 +747,7 @@ def start_tool_server(tools: str, options: dict[str, Any] | None = None, *, faul
     workdir = Path(tempfile.mkdtemp(prefix="gym-tool-server-"))
     port_file = workdir / "port"
     log = Path(log_path) if log_path is not None else workdir / "server.log"
-    cmd = [sys.executable, "-m", "gym.server", "--tools", tools, "--options", json.dumps(options or {}),
+    cmd = [sys.executable, "-m", "gyms.server", "--tools", tools, "--options", json.dumps(options or {}),
            "--host", host, "--port", str(port), "--port-file", str(port_file), "--parent-pid", str(os.getpid()),
            "--max-body-bytes", str(max_body_bytes), "--read-timeout-s", str(read_timeout_s)]
     if faults is not None:

@@ -1,4 +1,4 @@
-"""The retrying HTTP client of the tool server (``gym.server``): a ``ToolClient`` whose every call has a timeout,
+"""The retrying HTTP client of the tool server (``gyms.server``): a ``ToolClient`` whose every call has a timeout,
 retries with exponential backoff and full jitter, and ends in a clear ``ToolTransportError`` once its budget is
 spent (the run-gym task's Prefect retries then cover the whole turn).
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-from gym.service import ToolReply, ToolTransportError
+from gyms.service import ToolReply, ToolTransportError
 
 _ID_SAFE = "-._~:@+=,!*()"  # characters kept as-is in request ids; anything else is %-escaped
 _DETAIL_CHARS = 200

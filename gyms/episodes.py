@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gym.protocol import Env, StepResult, Task
+from gyms.protocol import Env, StepResult, Task
 
 
 @dataclass

@@ -35,6 +35,8 @@ def main(argv=None) -> dict:
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--base", choices=["bf16", "nf4"], default="bf16", help="nf4: bitsandbytes NF4 base, as the 27B step")
     p.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3], help="which of the three parts to run")
+    p.add_argument("--adapter-kernels", choices=["auto", "torch"], default="auto",
+                   help="the LoRA/DoRA epilogue (engine/adapter_kernels.py): fused where qualified, or PyTorch's")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
 
@@ -60,6 +62,9 @@ def main(argv=None) -> dict:
     model = with_adapter(base, cfg27.adapter, 0)
     res: dict = {"args": vars(a), "versions": gdn.versions(),
                  "gdn": gdn.install("auto", M._parts(model)[0].config, dev)}
+    from engine import adapter_kernels
+
+    res["adapter_kernels"] = adapter_kernels.install(a.adapter_kernels, dev)
     eng = Eng(model)
     d = arch["hidden_size"]
     rc = ReplayConfig(keep_graph_tokens=0)  # every micro-batch in the checkpoint tier

@@ -36,6 +36,10 @@ class ModelConfig(_Strict):
         "auto", description="Gated DeltaNet kernels (engine/gdn.py): auto = fla's where they qualify against the "
                             "PyTorch reference on this GPU and these versions, the reference elsewhere (one log line "
                             "says which); torch = the reference always; fla = fla's or fail")
+    adapter_kernels: Literal["auto", "torch"] = Field(
+        "auto", description="the LoRA/DoRA epilogue (engine/adapter_kernels.py): auto = fused Triton kernels where "
+                            "they qualify bit for bit against the PyTorch expressions on this GPU (one log line "
+                            "otherwise), the PyTorch expressions on the CPU; torch = the PyTorch expressions always")
     init_seed: int = Field(0, description="seed of the random initialization (tiny / random)")
     attention_fp32: bool = Field(
         False, description="attention cores (QK^T, softmax, P·V) in FP32 in the trainer and the hf sampler, in every "

@@ -30,6 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine import adapter_kernels as AK
+
 
 def adapter_layers(model) -> dict[str, torch.nn.Module]:
     """PEFT LoRA layers (plain Linear and bitsandbytes Linear4bit) of a model, by name."""
@@ -81,19 +83,22 @@ class _AdapterTerm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, result, x, A, B, m, n, bias, scaling: float, round_lora: bool):
-        dt = result.dtype
+        fused = AK.enabled(result)  # the same arithmetic in one kernel (engine/adapter_kernels.py), bit for bit
         xf = x.to(A.dtype) if x.dtype != A.dtype else x
         h = F.linear(xf, A)  # (.., r) fp32
         lora = F.linear(h, B)  # (.., out) fp32
         if m is None:
-            out = result + (lora * scaling).to(dt) if round_lora else (result + lora * scaling).to(dt)
+            epilogue = AK.epilogue_fused if fused else AK.epilogue_torch
+            out = epilogue(result, lora, None, None, scaling, False, round_lora)
             ctx.save_for_backward(x, h, A, B)
         else:
-            ms = (m / n).view(1, -1)
-            base_result = result if bias is None else result - bias
-            out = (result + ((ms - 1) * base_result + ms * lora * scaling)).to(dt)
+            ms = m / n
+            if fused:
+                out = AK.epilogue_fused(result, lora, ms, bias, scaling, True, False)
+            else:  # (result + ((ms - 1) * (result - bias) + ms * lora * scaling)).to(dt)
+                out = AK.epilogue_torch(result, lora, ms.view(1, -1), bias, scaling, True, False)
             ctx.save_for_backward(x, h, A, B, m, n, result, bias)
-        ctx.scaling, ctx.dora = scaling, m is not None
+        ctx.scaling, ctx.dora, ctx.fused = scaling, m is not None, fused
         return out
 
     @staticmethod
@@ -103,18 +108,18 @@ class _AdapterTerm(torch.autograd.Function):
             x, h, A, B, m, n, result, bias = ctx.saved_tensors
         else:
             x, h, A, B = ctx.saved_tensors
-        gf = g.float()
         out_dim, r = B.shape
         if ctx.dora:
-            ms = (m / n).view(1, -1)
-            g_result = (gf * ms).to(result.dtype)  # d out / d result = 1 + (ms - 1)
-            gl = gf * (ms * s)  # d out / d lora
+            # d out / d result = 1 + (ms - 1) = ms; d out / d lora = ms·s; d out / d m = (base + s·lora) / n, summed
+            # over tokens: (g_result, g_lora, Σ g·(base + s·lora)) in one kernel when fused, else as PyTorch does
             base_result = result if bias is None else result - bias
-            u = base_result.float() + F.linear(h, B) * s  # (base + s·lora) per element, fp32
-            g_m = (gf * u).reshape(-1, out_dim).sum(0) / n  # d out / d m = u / n
+            backward = AK.dora_backward_fused if ctx.fused else AK.dora_backward_torch
+            ms = m / n
+            g_result, gl, g_sum = backward(g, ms if ctx.fused else ms.view(1, -1), base_result, F.linear(h, B), s)
+            g_m = g_sum / n
         else:
             g_result = g
-            gl = gf * s
+            gl = AK.lora_grad_fused(g, s) if ctx.fused else AK.lora_grad_torch(g, s)
             g_m = None
         gl2 = gl.reshape(-1, out_dim)  # (N, out) fp32
         h2 = h.reshape(-1, r)

@@ -44,6 +44,7 @@ import time
 
 import torch
 
+from engine import adapter_kernels as AK
 from engine.model import Tokens, _parts, cache_kw, gaussian_logq, left_pad, sampling_loop, thought_mean
 from engine.adapter_grad import adapter_layers, adapter_params, dora_weight_norm, single_adapter_layers
 from engine.prefix_cache import ATTN, LINEAR, layer_kinds
@@ -335,6 +336,9 @@ class FrozenAdapter:
             dt = result.dtype
             xf = x.to(A.weight.dtype) if x.dtype != A.weight.dtype else x
             lora = B(A(xf))
+            if AK.enabled(result):  # the same arithmetic in one kernel (engine/adapter_kernels.py), bit for bit
+                return AK.epilogue_fused(result, lora, self.ms[name] if dora else None, base.bias if dora else None,
+                                         scaling, dora, bnb4)
             if not dora:
                 if bnb4:
                     return result + (lora * scaling).to(dt)

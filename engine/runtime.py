@@ -117,9 +117,10 @@ def _build(model_dir: str | Path, tok_dir: str | Path, cfg, quantization: str = 
             base = _dequantized_copy(cfg, model_dir, m)
         else:
             base = M.load_base(model_dir, cfg.model.dtype, cfg.device)
-    from engine import gdn
+    from engine import adapter_kernels, gdn
 
     gdn.install(cfg.model.gdn_kernels, base.config, cfg.device)  # before the first forward, whatever transformers routes
+    adapter_kernels.install(cfg.model.adapter_kernels, cfg.device)  # before any CUDA graph is captured
     if cfg.model.attention_fp32:
         M.use_fp32_attention(base)  # trainer and hf sampler alike: same arithmetic, shared prefix cache, bitwise probe
     torch.manual_seed(cfg.seed)  # adapter init (overwritten by use_adapter anyway)

@@ -1,0 +1,70 @@
+"""Triton kernels of engine/adapter_kernels.py (imported only when the fused epilogue is used: Triton is optional)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def bf16_rtne(x):
+    """x (FP32) rounded to the nearest BF16 value, ties to even, returned as FP32 (exactly representable in BF16,
+    so the final cast is exact). Written out with integer operations: Triton's interpreter truncates on a cast,
+    the GPU rounds to nearest even -- this makes both equal PyTorch's rounding. NaN stays NaN."""
+    b = x.to(tl.uint32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x != x, x, b.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def fwd(r_ptr, l_ptr, ms_ptr, bias_ptr, out_ptr, n_rows, n_cols, s,
+        DORA: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_LORA: tl.constexpr,
+        BR: tl.constexpr, BC: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)[:, None]
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)[None, :]
+    cmask = cols < n_cols
+    mask = (rows < n_rows) & cmask
+    off = rows.to(tl.int64) * n_cols + cols
+    r_lp = tl.load(r_ptr + off, mask=mask, other=0.0)
+    r = r_lp.to(tl.float32)
+    lo = tl.load(l_ptr + off, mask=mask, other=0.0)
+    if DORA:
+        ms = tl.load(ms_ptr + cols, mask=cmask, other=0.0)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            base = bf16_rtne(r - bias)
+        else:
+            base = r
+        out = r + ((ms - 1.0) * base + (ms * lo) * s)
+    elif ROUND_LORA:
+        out = r + bf16_rtne(lo * s)
+    else:
+        out = r + lo * s
+    tl.store(out_ptr + off, bf16_rtne(out).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def bwd_dora(g_ptr, ms_ptr, mss_ptr, base_ptr, l_ptr, gr_ptr, gl_ptr, part_ptr, n_rows, n_cols, s,
+             BR: tl.constexpr, BC: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)[:, None]
+    cols1 = tl.program_id(1) * BC + tl.arange(0, BC)
+    cols = cols1[None, :]
+    cmask = cols < n_cols
+    mask = (rows < n_rows) & cmask
+    off = rows.to(tl.int64) * n_cols + cols
+    g_lp = tl.load(g_ptr + off, mask=mask, other=0.0)
+    g = g_lp.to(tl.float32)
+    ms = tl.load(ms_ptr + cols, mask=cmask, other=0.0)
+    mss = tl.load(mss_ptr + cols, mask=cmask, other=0.0)
+    tl.store(gr_ptr + off, bf16_rtne(g * ms).to(gr_ptr.dtype.element_ty), mask=mask)
+    tl.store(gl_ptr + off, g * mss, mask=mask)
+    base = tl.load(base_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    lo = tl.load(l_ptr + off, mask=mask, other=0.0)
+    p = tl.sum(g * (base + lo * s), axis=0)
+    tl.store(part_ptr + tl.program_id(0).to(tl.int64) * n_cols + cols1, p, mask=cols1 < n_cols)
+
+
+@triton.jit
+def bwd_lora(g_ptr, gl_ptr, n, s, B: tl.constexpr):
+    o = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
+    m = o < n
+    g = tl.load(g_ptr + o, mask=m, other=0.0).to(tl.float32)
+    tl.store(gl_ptr + o, g * s, mask=m)

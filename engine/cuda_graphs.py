@@ -390,7 +390,7 @@ class _StaticDecoder:
     """Static cache + fixed buffers + one captured step for one model. Subclasses define `_step` and the loop."""
 
     def __init__(self, model, capacity: int = 0, graphed: bool | None = None, freeze_adapter: bool = True,
-                 profile: bool = False, attention: str = "gqa"):
+                 profile: bool = False, attention: str = "gqa", capacity_step: int = 1024):
         self.model = model
         self.text, self.head, self.emb = _parts(model)
         self.dtype, self.dev = self.emb.weight.dtype, self.emb.weight.device
@@ -401,6 +401,11 @@ class _StaticDecoder:
             raise ValueError("graphed=True needs the model on a CUDA device; use graphed=False on CPU")
         self.graphed = bool(graphed)
         self.capacity = int(capacity)
+        if capacity_step < 1:
+            raise ValueError(f"capacity_step must be >= 1, got {capacity_step}")
+        # a new cache length means a new cache and a new capture: a length grown by a turn's answer and tool result
+        # stays inside the rounded capacity (the recipe's 4 turns: one capture instead of one per turn)
+        self.capacity_step = int(capacity_step)
         self.attn_impl = getattr(self.text.config, "_attn_implementation", "sdpa") or "sdpa"
         if attention not in ("gqa", "hf"):
             raise ValueError("attention must be 'gqa' (grouped, no repeat_kv copies) or 'hf' (the model's own)")
@@ -419,7 +424,9 @@ class _StaticDecoder:
         if self.cache is None or self.cache.B != B or self.cache.max_len < need:
             self.cache = None
             self.graph = None
-            self.cache = StaticHybridCache(self.text.config, B, max(need, self.capacity), self.dtype, self.dev)
+            step = self.capacity_step
+            cap = max(-(-need // step) * step, self.capacity)
+            self.cache = StaticHybridCache(self.text.config, B, cap, self.dtype, self.dev)
             self._ar = torch.arange(self.cache.max_len, device=self.dev)
             self.pos = torch.zeros(B, 1, dtype=torch.long, device=self.dev)
             self._alloc(B)

@@ -254,3 +254,24 @@ def test_prefix_cached_vs_recomputed_bitwise_on_gpu(gpu_model):
         assert torch.equal(gw[0], gc[0]) and torch.equal(gw[1], gc[1])
     c = cache.counters()
     assert c["computed_tokens"] < c["input_tokens"]
+
+
+def test_static_cache_capacity_is_rounded_so_a_growing_prefix_keeps_its_cache(fp32_model):
+    """Turn after turn the prefix grows; within one capacity step the static cache (and, on CUDA, its captured
+    graph) is kept -- reset in place -- instead of rebuilt for every new length. Results stay those of the
+    dynamic-cache loop."""
+    model = fp32_model
+    scale = M.embed_scale(model)
+    loop = CG.GraphedLatentLoop(model, graphed=False, capacity_step=64)
+    short = _prefixes()
+    longer = [p + p[:5] for p in short]
+    loop.run(short, 3, 0.05 * scale, scale, TOKS, _gen(1))
+    cache, cap = loop.cache, loop.cache.max_len
+    assert cap % 64 == 0 and cap >= max(len(p) for p in short) + 3
+    z, q = loop.run(longer, 3, 0.05 * scale, scale, TOKS, _gen(2))
+    assert loop.cache is cache and loop.cache.max_len == cap  # same buffers: no new cache, no new capture
+    ref_z, ref_q = M.latent_loop(model, longer, 3, 0.05 * scale, scale, TOKS, _gen(2))
+    torch.testing.assert_close(z, ref_z, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(q, ref_q, atol=1e-3, rtol=1e-5)
+    with pytest.raises(ValueError, match="capacity_step"):
+        CG.GraphedLatentLoop(model, graphed=False, capacity_step=0)

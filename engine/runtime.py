@@ -41,6 +41,7 @@ class Engine:
     live: dict = field(default_factory=dict)  # replay digest -> per-turn tensors with autograd graph
     prefix_cache: object | None = None
     graphs: bool = False
+    same_arithmetic_as_trainer: bool = False  # a sampler on the trainer's unquantized base: may share its cache
     _latent_graph: object | None = None
     _decoder_graph: object | None = None
 
@@ -73,6 +74,86 @@ class Engine:
 
             self._decoder_graph = GraphedDecoder(self.model)
         return self._decoder_graph
+
+    def graph_stats(self, role: str) -> dict | None:
+        """CUDA-graph captures so far of the latent ("latent") or answer ("answers") loop and the seconds its
+        warm-up and capture steps took (a new batch size or a longer cache re-captures); None when not graphed."""
+        g = self._latent_graph if role == "latent" else self._decoder_graph
+        if g is None or not g.graphed:
+            return None
+        return {"captures": g.counts.get("capture", 0),
+                "setup_s": round(g.times.get("warmup", 0.0) + g.times.get("capture", 0.0), 4)}
+
+    # -- the trainer role: latent thoughts --------------------------------------------------------------------------
+    def thoughts(self, prefixes: list[list[int]], boundaries, K: int, sigma: float, gen: torch.Generator,
+                 times: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K latent thoughts and their log-densities per row, on this engine's fastest path: CUDA-graph replay on a
+        static cache after a prefix-cached per-row prefill (GPU), the prefix-cached loop (CPU), or the plain batched
+        loop (generation.prefix_cache off). Same generator use on every path (one (B, d) block per thought, row
+        order). times: the graphed path adds its prefill seconds under "latent_prefill_s"."""
+        from engine import prefix_cache as PC
+
+        with torch.no_grad():
+            if self.graphs:
+                rows = _prefill_timed(self.model, prefixes, self.prefix_cache, boundaries, times, "latent_prefill_s")
+                return self.latent_graph().run_rows(rows, K, sigma, self.scale, self.toks, gen)
+            if self.prefix_cache is not None:
+                return PC.latent_loop_cached(self.model, prefixes, K, sigma, self.scale, self.toks, gen,
+                                             self.prefix_cache, boundaries)
+            return M.latent_loop(self.model, prefixes, K, sigma, self.scale, self.toks, gen)
+
+    # -- the sampler role: answers and teacher-forced scores --------------------------------------------------------
+    def answer_cache(self, trainer: "Engine"):
+        """The prefix cache this sampler prefills through. It computes exactly what the trainer computes for a token
+        prefix (same weights, dtype and kernels) when the trainer's base is not NF4 and both hold the same adapter;
+        then the trainer's cache serves both (the group's prompt and earlier turns are computed once per round). A
+        sampler holding another adapter (a stale one) never reads the trainer's states: it keeps its own cache."""
+        if self.same_arithmetic_as_trainer and self.adapter_digest == trainer.adapter_digest:
+            return trainer.prefix_cache
+        return self.prefix_cache
+
+    def answers(self, prefixes: list[list[int]], boundaries, z: torch.Tensor, max_new: int, temperature: float,
+                seed: int, limits: list[int], trainer: "Engine", times: dict | None = None):
+        """Answers from prefix ⊕ <think> ⊕ z ⊕ </think>, the rows decoded as one batch: CUDA-graphed decode after a
+        prefix-cached prefill (GPU), prefix-cached (CPU), or plain prompt embeddings. Returns (token ids, sampler
+        log-probs) per row. times: the graphed path adds its prefill seconds under "answers_prefill_s"."""
+        from engine import prefix_cache as PC
+
+        gen = torch.Generator().manual_seed(seed)
+        cache = self.answer_cache(trainer)
+        with torch.no_grad():
+            if self.graphs:
+                rows = _prefill_timed(self.model, prefixes, cache, boundaries, times, "answers_prefill_s")
+                return self.decoder_graph().sample_rows(rows, z, max_new, temperature, self.toks, gen, limits)
+            if cache is not None:
+                return PC.sample_answers_cached(self.model, prefixes, z, max_new, temperature, self.toks, gen, cache,
+                                                limits, boundaries)
+            prompts = [M.prompt_embeddings(self.model, p, z[i], self.toks) for i, p in enumerate(prefixes)]
+            return M.sample_answers(self.model, prompts, max_new, temperature, self.toks, gen, limits=limits)
+
+    def teacher_forced(self, prefixes, thoughts, answers, temperature: float, trainer: "Engine") -> list:
+        """Per turn the (L,) post-temperature log-probs of the given answer tokens after prefix ⊕ thoughts."""
+        from engine import diagnose as D
+
+        return D.teacher_forced(self.model, prefixes, thoughts, answers, temperature, self.toks)
+
+
+def _prefill_timed(model, prefixes, cache, boundaries, times: dict | None, key: str):
+    """engine.prefix_cache.prefill_rows, its device seconds added to times[key] (the step's "prefill" phase)."""
+    import time
+
+    from engine import prefix_cache as PC
+
+    dev = M._parts(model)[2].weight.device
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    t = time.perf_counter()
+    rows = PC.prefill_rows(model, prefixes, cache, boundaries)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    if times is not None:
+        times[key] = round(times.get(key, 0.0) + time.perf_counter() - t, 4)
+    return rows
 
 
 _ENGINES: dict[tuple, Engine] = {}
@@ -156,16 +237,6 @@ def trainer(cfg, base_dir: str | Path, tok_dir: str | Path) -> Engine:
     return _ENGINES[key]
 
 
-def sampler_prefix_cache(cfg, trainer: Engine, sampler: Engine):
-    """The prefix cache the hf sampler prefills through. It computes exactly what the trainer computes for a token
-    prefix (same weights, dtype and kernels) when the trainer's base is not NF4 and both hold the same adapter;
-    then the trainer's cache serves both (the group's prompt and earlier turns are computed once per round). A
-    sampler holding another adapter (a stale one) never reads the trainer's states: it keeps its own cache."""
-    if cfg.model.quantization == "none" and sampler.adapter_digest == trainer.adapter_digest:
-        return trainer.prefix_cache
-    return sampler.prefix_cache
-
-
 @dataclass
 class VllmEngine:
     """The vLLM sampler (``engine.vllm_sampler.VllmSampler``) behind the Engine interface the stages use."""
@@ -180,6 +251,25 @@ class VllmEngine:
     def use_adapter(self, adapter_dir: str | Path) -> None:
         """Every rollout round: a new LoRARequest id per adapter version (exactly one active)."""
         self.vllm.use_adapter(adapter_dir)
+
+    def answer_cache(self, trainer: Engine):
+        return None  # vLLM's own KV cache is inside the engine
+
+    def graph_stats(self, role: str) -> dict | None:
+        return None  # vLLM captures its own graphs
+
+    def _prompts(self, prefixes, thoughts, trainer: Engine) -> list[torch.Tensor]:
+        """Prompt embeddings from the trainer's table: the export's values."""
+        with torch.no_grad():
+            return [M.prompt_embeddings(trainer.model, p, thoughts[i], trainer.toks) for i, p in enumerate(prefixes)]
+
+    def answers(self, prefixes: list[list[int]], boundaries, z: torch.Tensor, max_new: int, temperature: float,
+                seed: int, limits: list[int], trainer: Engine, times: dict | None = None):
+        return self.vllm.sample(self._prompts(prefixes, z, trainer), max_new, temperature, limits=limits,
+                                seed=seed % 2**31)
+
+    def teacher_forced(self, prefixes, thoughts, answers, temperature: float, trainer: Engine) -> list:
+        return self.vllm.teacher_forced(self._prompts(prefixes, thoughts, trainer), answers, temperature)
 
 
 def sampler(cfg, export_dir: str | Path, tok_dir: str | Path):
@@ -201,6 +291,7 @@ def sampler(cfg, export_dir: str | Path, tok_dir: str | Path):
         else:
             _ENGINES[key] = _build(export_dir, tok_dir, cfg)
             _ENGINES[key].prefix_cache = _new_prefix_cache(cfg)
+            _ENGINES[key].same_arithmetic_as_trainer = cfg.model.quantization == "none"
     return _ENGINES[key]
 
 

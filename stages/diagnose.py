@@ -135,9 +135,7 @@ def _analyse(cfg, trainer, sampler, fresh_t, fresh_s, cases: list[dict], gate_va
     thoughts = [c["thoughts"] for c in cases]
     answers = [c["answer"] for c in cases]
     batched = D.teacher_forced(sampler.model, prefixes, thoughts, answers, T, sampler.toks)
-    from engine import runtime
-
-    live_cache = runtime.sampler_prefix_cache(cfg, trainer, sampler)  # as it is (entries of the failed round)
+    live_cache = sampler.answer_cache(trainer)  # as it is (entries of the failed round)
     graph = graph_vs_eager_status(cfg, sampler)
     tokens = []
     for i, c in enumerate(cases):
@@ -167,16 +165,14 @@ def _analyse(cfg, trainer, sampler, fresh_t, fresh_s, cases: list[dict], gate_va
 def _analyse_vllm(cfg, trainer, sampler, fresh_t, cases, gate_values):
     """The vLLM sampler's isolated paths: teacher-forced alone and batched (its internals are not hookable)."""
     from engine import diagnose as D
-    from engine import model as M
 
     T = cfg.sampler.temperature
-    with torch.no_grad():
-        prompts = [M.prompt_embeddings(trainer.model, c["prefix"], c["thoughts"], trainer.toks) for c in cases]
-    batched = sampler.vllm.teacher_forced(prompts, [c["answer"] for c in cases], T)
+    batched = sampler.teacher_forced([c["prefix"] for c in cases], [c["thoughts"] for c in cases],
+                                     [c["answer"] for c in cases], T, trainer)
     tokens = []
     for i, c in enumerate(cases):
         p, z, a, j = c["prefix"], c["thoughts"], c["answer"], c["token"]
-        alone = sampler.vllm.teacher_forced([prompts[i]], [a], T)[0]
+        alone = sampler.teacher_forced([p], [z], [a], T, trainer)[0]
         paths = {
             "trainer/fresh": _token_lp(D.teacher_forced(fresh_t, [p], [z], [a], T, trainer.toks)[0], a, j),
             "trainer/gate": gate_values[i][0],

@@ -47,10 +47,8 @@ def sample_tasks(run_dir: str, step: int, base_in: str, split: str = "train", n_
 
 def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in: str, export_in: str,
                   base_in: str, out_path: str | None = None) -> dict:
-    """One model turn for the active rows of `state_in` (tasks.arrow or the previous gym-TT.arrow)."""
-    import torch
-
-    from engine import model as M
+    """One model turn for the active rows of `state_in` (tasks.arrow or the previous gym-TT.arrow): the trainer's
+    latent thoughts, the sampler's answers (each engine picks its own path), the turn table."""
     from engine import runtime
 
     cfg = run_config(run_dir)
@@ -73,32 +71,20 @@ def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in:
         trainer.use_adapter(adapter_in)
         sampler = runtime.sampler(cfg, export_in, tok_dir)
         sampler.use_adapter(adapter_in)
-        s_cache = None
-        if cfg.sampler.kind == "hf":
-            s_cache = runtime.sampler_prefix_cache(cfg, trainer, sampler)
-        caches = list({id(c): c for c in (trainer.prefix_cache, s_cache) if c is not None}.values())
+        caches = list({id(c): c for c in (trainer.prefix_cache, sampler.answer_cache(trainer)) if c is not None}.values())
         before = [(c.input_tokens, c.computed_tokens) for c in caches]
         K = cfg.latent.max_latent_steps
         sigma = cfg.latent.sigma * trainer.scale
         with timer(out, "latent_s"):
-            z, logq = latent_thoughts(trainer, prefixes, boundaries, K, sigma, generator(cfg.seed, step, turn, "latent"),
-                                      times=out)
+            z, logq = trainer.thoughts(prefixes, boundaries, K, sigma, generator(cfg.seed, step, turn, "latent"),
+                                       times=out)
         with timer(out, "answers_s"):
-            if cfg.sampler.kind == "vllm":  # prompt embeddings from the trainer's table: the export's values
-                with torch.no_grad():
-                    prompts = [M.prompt_embeddings(trainer.model, p, z[i], trainer.toks) for i, p in enumerate(prefixes)]
-                ids, lps = sampler.vllm.sample(prompts, cfg.sampler.max_answer_tokens, cfg.sampler.temperature,
-                                               limits=limits, seed=seed_for(cfg.seed, step, turn, "sampler") % 2**31)
-            else:
-                ids, lps = hf_answers(sampler, s_cache, prefixes, boundaries, z, cfg.sampler.max_answer_tokens,
-                                      cfg.sampler.temperature, generator(cfg.seed, step, turn, "sampler"), limits,
-                                      times=out)
+            ids, lps = sampler.answers(prefixes, boundaries, z, cfg.sampler.max_answer_tokens, cfg.sampler.temperature,
+                                       seed_for(cfg.seed, step, turn, "sampler"), limits, trainer, times=out)
         z, logq = z.cpu(), logq.cpu()
-        for role, g in (("latent", getattr(trainer, "_latent_graph", None)),
-                        ("answers", getattr(sampler, "_decoder_graph", None))):
-            if g is not None and g.graphed:  # CUDA-graph captures so far in this process (a new batch size or a
-                out[f"{role}_graph_captures"] = g.counts.get("capture", 0)  # longer cache re-captures) and the
-                out[f"{role}_graph_setup_s"] = round(g.times.get("warmup", 0.0) + g.times.get("capture", 0.0), 4)
+        for role, stats in (("latent", trainer.graph_stats("latent")), ("answers", sampler.graph_stats("answers"))):
+            if stats:  # CUDA graphs: captures so far in this process and their warm-up + capture seconds
+                out[f"{role}_graph_captures"], out[f"{role}_graph_setup_s"] = stats["captures"], stats["setup_s"]
         if caches:  # prefix tokens the engines asked for vs ran through a model (both engines, this turn)
             out["prefix_input_tokens"] = sum(c.input_tokens - b[0] for c, b in zip(caches, before))
             out["prefix_computed_tokens"] = sum(c.computed_tokens - b[1] for c, b in zip(caches, before))
@@ -141,65 +127,3 @@ def answer_text(tok, ids: list[int], eos: int) -> str:
     if run:
         parts.append(tok.decode(run, skip_special_tokens=False))
     return "".join(parts)
-
-
-def _prefill_timed(model, prefixes, cache, boundaries, times: dict | None, key: str):
-    """engine.prefix_cache.prefill_rows, its device seconds added to times[key] (the step's "prefill" phase)."""
-    import time
-
-    import torch
-
-    from engine import prefix_cache as PC
-
-    dev = next(model.parameters()).device
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    t = time.perf_counter()
-    rows = PC.prefill_rows(model, prefixes, cache, boundaries)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    if times is not None:
-        times[key] = round(times.get(key, 0.0) + time.perf_counter() - t, 4)
-    return rows
-
-
-def latent_thoughts(trainer, prefixes: list[list[int]], boundaries, K: int, sigma: float, gen,
-                    times: dict | None = None):
-    """The trainer's latent loop on its fastest path: CUDA-graph replay on a static cache after a prefix-cached
-    per-row prefill (GPU), the prefix-cached loop (CPU), or the plain batched loop (generation.prefix_cache off).
-    Same generator use in every path (one (B, d) block per thought, row order). times: the graphed path adds its
-    prefill seconds under "latent_prefill_s" (the other paths interleave prefill and loop)."""
-    import torch
-
-    from engine import model as M
-    from engine import prefix_cache as PC
-
-    with torch.no_grad():
-        if trainer.graphs:
-            rows = _prefill_timed(trainer.model, prefixes, trainer.prefix_cache, boundaries, times, "latent_prefill_s")
-            return trainer.latent_graph().run_rows(rows, K, sigma, trainer.scale, trainer.toks, gen)
-        if trainer.prefix_cache is not None:
-            return PC.latent_loop_cached(trainer.model, prefixes, K, sigma, trainer.scale, trainer.toks, gen,
-                                         trainer.prefix_cache, boundaries)
-        return M.latent_loop(trainer.model, prefixes, K, sigma, trainer.scale, trainer.toks, gen)
-
-
-def hf_answers(sampler, cache, prefixes: list[list[int]], boundaries, z, max_new: int, temperature: float, gen,
-               limits: list[int], times: dict | None = None):
-    """The hf sampler's answers from prefix ⊕ <think> ⊕ z ⊕ </think>, the rows of a round decoded as one batch:
-    CUDA-graphed decode after a prefix-cached prefill (GPU), prefix-cached (CPU), or plain prompt embeddings.
-    times: the graphed path adds its prefill seconds under "answers_prefill_s"."""
-    import torch
-
-    from engine import model as M
-    from engine import prefix_cache as PC
-
-    with torch.no_grad():
-        if sampler.graphs:
-            rows = _prefill_timed(sampler.model, prefixes, cache, boundaries, times, "answers_prefill_s")
-            return sampler.decoder_graph().sample_rows(rows, z, max_new, temperature, sampler.toks, gen, limits)
-        if cache is not None:
-            return PC.sample_answers_cached(sampler.model, prefixes, z, max_new, temperature, sampler.toks, gen, cache,
-                                            limits, boundaries)
-        prompts = [M.prompt_embeddings(sampler.model, p, z[i], sampler.toks) for i, p in enumerate(prefixes)]
-        return M.sample_answers(sampler.model, prompts, max_new, temperature, sampler.toks, gen, limits=limits)

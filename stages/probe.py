@@ -104,14 +104,7 @@ def probe(run_dir: str, step: int, adapter_in: str, export_in: str, base_in: str
         prefixes, thoughts, answers = probe_inputs(cfg, trainer, base_in)
         T = cfg.sampler.temperature
         t_lp = D.teacher_forced(trainer.model, prefixes, thoughts, answers, T, trainer.toks)
-        if cfg.sampler.kind == "vllm":
-            from engine import model as M
-
-            with torch.no_grad():
-                prompts = [M.prompt_embeddings(trainer.model, p, z, trainer.toks) for p, z in zip(prefixes, thoughts)]
-            s_lp = sampler.vllm.teacher_forced(prompts, answers, T)
-        else:
-            s_lp = D.teacher_forced(sampler.model, prefixes, thoughts, answers, T, sampler.toks)
+        s_lp = sampler.teacher_forced(prefixes, thoughts, answers, T, trainer)
         report = {"step": step, "adapter": trainer.adapter_digest, "sampler_adapter": sampler.adapter_digest,
                   "prompts": len(prefixes), **compare_engines(t_lp, s_lp, answers, cfg.gates.parity_min_prob),
                   "limits": {"gap_max": cfg.gates.probe_gap_max, "layers_bitwise": cfg.gates.probe_layers_bitwise}}

@@ -43,16 +43,16 @@ def test_gate_failure_fails_the_task_without_retry(prefect_harness, tmp_path, mo
     """A sampler that over-reports its log-probs by 3 nat (an injected defect) fails the rollout-parity gate."""
     from prefect.states import State
 
+    from engine import runtime
     from flows.step import grpo_step
-    from stages import generate as G
 
-    real = G.hf_answers
+    real = runtime.Engine.answers
 
     def off_by_three(*args, **kwargs):
         ids, lps = real(*args, **kwargs)
         return ids, [[x + 3.0 for x in row] for row in lps]
 
-    monkeypatch.setattr(G, "hf_answers", off_by_three)
+    monkeypatch.setattr(runtime.Engine, "answers", off_by_three)  # the hf sampler role
     run_dir = make_run(tmp_path / "run")
     state: State = grpo_step(run_dir, 0, return_state=True)
     assert state.is_failed()

@@ -35,9 +35,9 @@ def _episodes(run_dir: str, step: int = 0) -> list[tuple[dict, dict]]:
 def test_token_budget_ends_episodes_and_is_never_exceeded(tmp_path, monkeypatch):
     """A sampler that always calls a tool (as a trained agent reading sources does) runs into a 40-token budget."""
     from artifacts import read_json, read_table
+    from engine import runtime
     from engine.runtime import tokenizer
     from gyms.tools import format_tool_call
-    from stages import generate as G
 
     budget = 40
     run_dir = make_run(tmp_path / "run", **{"gym.token_budget": budget, "gym.max_turns": 5,
@@ -45,11 +45,11 @@ def test_token_budget_ends_episodes_and_is_never_exceeded(tmp_path, monkeypatch)
     tok = tokenizer(read_json(f"{run_dir}/prepared.json")["base"])
     call = tok(format_tool_call("lookup", {"key": "alpha"}))["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
 
-    def always_a_tool_call(sampler, cache, prefixes, boundaries, z, max_new, temperature, gen, limits):
+    def always_a_tool_call(self, prefixes, boundaries, z, max_new, temperature, seed, limits, trainer, times=None):
         caps = [min(max_new, lim) for lim in (limits or [max_new] * len(prefixes))]
         return [call[:c] for c in caps], [[-0.5] * len(call[:c]) for c in caps]
 
-    monkeypatch.setattr(G, "hf_answers", always_a_tool_call)
+    monkeypatch.setattr(runtime.Engine, "answers", always_a_tool_call)  # the hf sampler role
     turns = _episodes(run_dir)
     final = read_table(turns[-1][1]["path"]).to_pylist()
     assert all(r["done"] for r in final)

@@ -85,14 +85,16 @@ class Engine:
                 "setup_s": round(g.times.get("warmup", 0.0) + g.times.get("capture", 0.0), 4)}
 
     # -- the trainer role: latent thoughts --------------------------------------------------------------------------
-    def thoughts(self, prefixes: list[list[int]], boundaries, K: int, sigma: float, gen: torch.Generator,
+    def thoughts(self, prefixes: list[list[int]], boundaries, K: int, sigma: float, seed: int,
                  times: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K latent thoughts and their log-densities per row, on this engine's fastest path: CUDA-graph replay on a
         static cache after a prefix-cached per-row prefill (GPU), the prefix-cached loop (CPU), or the plain batched
         loop (generation.prefix_cache off). Same generator use on every path (one (B, d) block per thought, row
-        order). times: the graphed path adds its prefill seconds under "latent_prefill_s"."""
+        order, drawn from a CPU generator seeded with `seed`). times: the graphed path adds its prefill seconds under
+        "latent_prefill_s"."""
         from engine import prefix_cache as PC
 
+        gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             if self.graphs:
                 rows = _prefill_timed(self.model, prefixes, self.prefix_cache, boundaries, times, "latent_prefill_s")

@@ -12,7 +12,7 @@ import numpy as np
 
 from artifacts import RunDir, read_table, write_table
 from engine.chat import first_prompt
-from stages.context import env_factory, generator, run_config, run_tag, seed_for, timer
+from stages.context import env_factory, run_config, run_tag, seed_for, timer
 
 
 def sample_tasks(run_dir: str, step: int, base_in: str, split: str = "train", n_groups: int | None = None,
@@ -76,7 +76,7 @@ def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in:
         K = cfg.latent.max_latent_steps
         sigma = cfg.latent.sigma * trainer.scale
         with timer(out, "latent_s"):
-            z, logq = trainer.thoughts(prefixes, boundaries, K, sigma, generator(cfg.seed, step, turn, "latent"),
+            z, logq = trainer.thoughts(prefixes, boundaries, K, sigma, seed_for(cfg.seed, step, turn, "latent"),
                                        times=out)
         with timer(out, "answers_s"):
             ids, lps = sampler.answers(prefixes, boundaries, z, cfg.sampler.max_answer_tokens, cfg.sampler.temperature,

@@ -40,7 +40,8 @@ def run_steps(run_dir: str, steps: int) -> list[dict]:
     from stages.evaluate import batch_reward_gain
     from stages.export import export_base
     from stages.generate import generate_turn, sample_tasks
-    from stages.gym import collect_rollouts, run_gym
+    from stages.gym import run_gym
+    from stages.rollouts import collect_rollouts
     from stages.optimize import optimize
     from stages.replay import replay
 

@@ -139,7 +139,7 @@ def run_gym(run_dir: str, step: int, turn: int, state_in: str, turn_in: str, bas
 
 @_stage_task("collect-rollouts", 1, [2])
 def collect_rollouts(run_dir: str, step: int, turn_in: list[str], gym_in: list[str]) -> dict:
-    from stages.gym import collect_rollouts as fn
+    from stages.rollouts import collect_rollouts as fn
 
     return fn(run_dir, step, turn_in, gym_in)
 

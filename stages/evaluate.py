@@ -12,7 +12,8 @@ from pathlib import Path
 from artifacts import read_table, write_json
 from stages.context import run_config, timer
 from stages.generate import generate_turn, sample_tasks
-from stages.gym import episode_stats, run_gym, verify_traces
+from stages.gym import run_gym
+from stages.rollouts import episode_stats, verify_traces
 
 
 def evaluate(run_dir: str, tag: str, adapter_in: str, export_in: str, base_in: str) -> dict:

@@ -19,11 +19,11 @@ def sample_tasks(run_dir: str, step: int, base_in: str, split: str = "train", n_
                  out_path: str | None = None, scope: str | None = None) -> dict:
     """Tasks of one fresh step: `groups_per_step` tasks, each repeated `num_generations` times (a GRPO group).
 
-    Writes the initial row state (tasks.arrow, columns of ``stages.gym.write_state``): row, group, a run-unique
+    Writes the initial row state (tasks.arrow, columns of ``artifacts.tables.write_state``): row, group, a run-unique
     episode id (``<run tag>:<scope>:<row>``, scope ``s<step>`` by default), task json, prefix ids, done flags...
     """
     from engine.runtime import tokenizer
-    from stages.gym import initial_row, write_state
+    from artifacts.tables import initial_row, write_state
 
     cfg = run_config(run_dir)
     rd = RunDir(run_dir)
@@ -39,7 +39,7 @@ def sample_tasks(run_dir: str, step: int, base_in: str, split: str = "train", n_
         prefixes = [np.asarray(tok(first_prompt(env.reset(t)))["input_ids"], dtype=np.int32) for _, t in rows]
         path = out_path or str(rd.ensure(step).step_dir(step) / "tasks.arrow")
         scope = scope or f"s{step}"
-        write_state(path, [initial_row(i, g, f"{run_tag(run_dir)}:{scope}:{i}", t, prefixes[i])
+        write_state(path, [initial_row(i, g, f"{run_tag(run_dir)}:{scope}:{i}", t.to_dict(), prefixes[i])
                            for i, (g, t) in enumerate(rows)], metadata={"step": str(step), "split": split})
         out.update(path=path, rows=len(rows), groups=n_groups)
     return out

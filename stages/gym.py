@@ -1,4 +1,4 @@
-"""run-gym and collect-rollouts: the environment's side of a rollout round (driver work: tools, rewards).
+"""run-gym: the environment's side of a model turn (driver work: tools, rewards; collect-rollouts is stages/rollouts.py).
 
 run-gym applies this turn's answer of every active row to its episode's environment (kept alive across turns in
 this process, rebuilt from the task and answer history after a restart) and writes the next row state
@@ -18,49 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from artifacts import RunDir, read_table, write_table
+from artifacts import RunDir, read_table
+from artifacts.tables import write_state
 from engine.chat import observation_block
 from gyms.protocol import REASON_ANSWER, REASON_BUDGET, Task
-from gyms.trace import TraceError, verify_trace, write_trace
+from gyms.trace import write_trace
 from stages.context import episode_pool, reward_functions, run_config, timer
-
-# Columns of a row-state table (tasks.arrow, gym-TT.arrow) and their Arrow element types.
-STATE_COLUMNS = ("row", "group", "episode", "task", "prefix_ids", "done", "reward", "history", "observations",
-                 "turn_reward", "observation", "reason", "tool_error", "model_tokens", "tool_tokens",
-                 "transport_retries", "trace", "prefix_bounds", "success")
-
-
-def write_state(path: str, rows: list[dict], metadata: dict[str, str]) -> None:
-    write_table(path, {
-        "row": np.asarray([r["row"] for r in rows], dtype=np.int32),
-        "group": np.asarray([r["group"] for r in rows], dtype=np.int32),
-        "episode": [r["episode"] for r in rows],
-        "task": [r["task"] for r in rows],
-        "prefix_ids": [np.asarray(r["prefix_ids"], dtype=np.int32) for r in rows],
-        "done": np.asarray([r["done"] for r in rows], dtype=bool),
-        "reward": np.asarray([r["reward"] for r in rows], dtype=np.float32),
-        "history": [r["history"] for r in rows],
-        "observations": [r["observations"] for r in rows],
-        "turn_reward": np.asarray([r["turn_reward"] for r in rows], dtype=np.float32),
-        "observation": [r["observation"] for r in rows],
-        "reason": [r["reason"] for r in rows],
-        "tool_error": np.asarray([r["tool_error"] for r in rows], dtype=bool),
-        "model_tokens": np.asarray([r["model_tokens"] for r in rows], dtype=np.int32),
-        "tool_tokens": np.asarray([r["tool_tokens"] for r in rows], dtype=np.int32),
-        "transport_retries": np.asarray([r["transport_retries"] for r in rows], dtype=np.int32),
-        "trace": [r["trace"] for r in rows],
-        # lengths of the row's earlier turn prefixes c_0..c_{t-1}: the prefix cache's chunk boundaries, which make
-        # the generation states (and thoughts) bitwise independent of what the cache holds
-        "prefix_bounds": [np.asarray(r.get("prefix_bounds") or [], dtype=np.int32) for r in rows],
-        "success": np.asarray([bool(r.get("success", False)) for r in rows], dtype=bool),
-    }, metadata=metadata)
-
-
-def initial_row(row: int, group: int, episode: str, task: Task, prefix_ids) -> dict:
-    return {"row": row, "group": group, "episode": episode, "task": json.dumps(task.to_dict()),
-            "prefix_ids": prefix_ids, "done": False, "reward": 0.0, "history": "[]", "observations": "[]",
-            "turn_reward": 0.0, "observation": "", "reason": "", "tool_error": False, "model_tokens": 0,
-            "tool_tokens": 0, "transport_retries": 0, "trace": "", "prefix_bounds": [], "success": False}
 
 
 def answer_correct(res) -> bool:
@@ -191,96 +154,4 @@ def run_gym(run_dir: str, step: int, turn: int, state_in: str, turn_in: str, bas
                    transport_retries=sum(r["transport_retries"] for r in advanced.values()),
                    budget_ended=sum(r["reason"] == REASON_BUDGET for r in finished_now),
                    all_done=all(r["done"] for r in rows))
-    return out
-
-
-def episode_stats(final: list[dict]) -> dict:
-    """Episode-level metrics of a finished row state: completion, tokens, tool-result share, end reasons."""
-    n = max(len(final), 1)
-    model = sum(int(r["model_tokens"]) for r in final)
-    tool = sum(int(r["tool_tokens"]) for r in final)
-    reasons: dict[str, int] = {}
-    for r in final:
-        reasons[r["reason"] or "unfinished"] = reasons.get(r["reason"] or "unfinished", 0) + 1
-    return {
-        "completion_rate": sum(r["reason"] == "answer" for r in final) / n,
-        # share of episodes that ended with a correct final answer (tables written before the column: False)
-        "success_rate": sum(bool(r.get("success", False)) for r in final) / n,
-        "mean_tokens": (model + tool) / n,
-        "tool_token_share": tool / max(model + tool, 1),
-        "end_reasons": reasons,
-        "transport_retries": sum(int(r.get("transport_retries", 0)) for r in final),
-    }
-
-
-def verify_traces(final: list[dict]) -> int:
-    """Verify the stored sealed trace of every finished episode that has one; returns how many were checked.
-
-    A trace that fails verification means the stored provenance was changed: the ``provenance`` gate fails."""
-    from engine.gates import GateFailed
-
-    checked = 0
-    for r in final:
-        if r["trace"]:
-            try:
-                verify_trace(r["trace"], episode=r["episode"])
-            except (TraceError, OSError) as exc:
-                raise GateFailed("provenance", f"row {r['row']}: {exc}", {"row": r["row"], "trace": r["trace"]}) from exc
-            checked += 1
-    return checked
-
-
-def collect_rollouts(run_dir: str, step: int, turn_ins: list[str], gym_ins: list[str],
-                     out_path: str | None = None) -> dict:
-    """One record per (rollout, turn) with the rollout's reward and group-relative advantage (rollouts.arrow)."""
-    import torch
-
-    from engine.loss import group_advantages
-
-    cfg = run_config(run_dir)
-    out = {"stage": "collect-rollouts"}
-    with timer(out):
-        final = read_table(gym_ins[-1]).to_pylist()
-        rewards = torch.tensor([r["reward"] for r in final], dtype=torch.float32)
-        groups = [r["group"] for r in final]
-        G = cfg.grpo.num_generations
-        if any(groups[i] != groups[i - i % G] for i in range(len(groups))):
-            raise ValueError(f"rows are not laid out in groups of num_generations={G}")
-        adv = group_advantages(rewards, G, cfg.grpo.scale_rewards)
-        recs = []
-        tool_errors = 0
-        for t, (tin, gin) in enumerate(zip(turn_ins, gym_ins)):
-            errs = {r["row"]: r["tool_error"] for r in read_table(gin).to_pylist()}
-            for r in read_table(tin).to_pylist():
-                tool_errors += int(errs[r["row"]])
-                recs.append((r["row"], t, r))
-        recs.sort(key=lambda x: (x[0], x[1]))
-        meta = read_table(turn_ins[0]).schema.metadata  # K, d and sigma are the same in every turn file
-        K, d = int(meta[b"K"]), int(meta[b"d"])
-        traces = verify_traces(final)
-        path = out_path or str(RunDir(run_dir).rollouts(step))
-        write_table(path, {
-            "row": np.asarray([r for r, _, _ in recs], dtype=np.int32),
-            "group": np.asarray([groups[r] for r, _, _ in recs], dtype=np.int32),
-            "turn": np.asarray([t for _, t, _ in recs], dtype=np.int32),
-            "prefix_ids": [np.asarray(x["prefix_ids"], dtype=np.int32) for _, _, x in recs],
-            "thoughts": [np.asarray(x["thoughts"], dtype=np.float32).reshape(K, d) for _, _, x in recs],
-            "thought_logq": [np.asarray(x["thought_logq"], dtype=np.float32) for _, _, x in recs],
-            "answer_ids": [np.asarray(x["answer_ids"], dtype=np.int32) for _, _, x in recs],
-            "sampler_logps": [np.asarray(x["sampler_logps"], dtype=np.float32) for _, _, x in recs],
-            "answer_text": [x["answer_text"] for _, _, x in recs],
-            "reward": np.asarray([float(rewards[r]) for r, _, _ in recs], dtype=np.float32),
-            "advantage": np.asarray([float(adv[r]) for r, _, _ in recs], dtype=np.float32),
-        }, metadata={"step": str(step), "K": str(K), "d": str(d), "rows": str(len(final)),
-                     "num_generations": str(G), "sigma": meta[b"sigma"].decode()})
-        n = len(final)
-        out.update(
-            path=path, rollouts=n, turns=len(recs),
-            reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if n > 1 else 0.0,
-            tool_error_rate=tool_errors / max(len(recs), 1),
-            mean_turns=len(recs) / n,
-            answer_tokens=sum(len(x["answer_ids"]) for _, _, x in recs),
-            traces_verified=traces,
-            **episode_stats(final),
-        )
     return out

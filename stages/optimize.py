@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from artifacts import RunDir, read_table, read_tensors, to_tensor_list, write_adapter_dir, write_json, write_tensors
+from artifacts.tables import table_meta
 from engine import gates
 from engine import model as M
 from engine.loss import grpo_loss, importance_sampling_ratio, token_weights
@@ -98,9 +99,10 @@ def loss_inputs(cfg, rollouts_in: str, replay_in: str, old_replay_in: str) -> Lo
     turns, roll = load_turns(rollouts_in)
     rep = read_table(replay_in)
     old = rep if old_replay_in == replay_in else read_table(old_replay_in)  # fresh step: its own replay
-    n_rows = int(roll.schema.metadata[b"rows"])
+    meta = table_meta(roll)
+    n_rows = int(meta["rows"])
     rows = turns.rows
-    K = int(roll.schema.metadata[b"K"])
+    K = int(meta["K"])
     lp_turn = _thoughts_then_answer(rep, "trainer_logq", "trainer_logps")
     old_turn = _thoughts_then_answer(old, "trainer_logq", "trainer_logps")
     recorded = to_tensor_list(roll, "thought_logq", torch.float32)
@@ -120,7 +122,7 @@ def loss_inputs(cfg, rollouts_in: str, replay_in: str, old_replay_in: str) -> Lo
     if g.vllm_importance_sampling_correction:
         is_ratio = importance_sampling_ratio(old_lp, samp_lp, mask, g.vllm_importance_sampling_mode,
                                              g.vllm_importance_sampling_clip_max, g.vllm_importance_sampling_clip_min)
-    return LossInputs(turns=turns, rows=rows, K=K, sigma=float(roll.schema.metadata[b"sigma"]),
+    return LossInputs(turns=turns, rows=rows, K=K, sigma=float(meta["sigma"]),
                       lengths=[x.numel() for x in lp_turn], lp_turn=lp_turn, old_lp=old_lp, samp_lp=samp_lp,
                       mask=mask, adv=adv, is_ratio=is_ratio, n_rows=n_rows, thought_gap=thought_gap)
 
@@ -135,11 +137,11 @@ def driver_weights(cfg, li: LossInputs, metrics: dict) -> tuple[list[torch.Tenso
 
 def stored_plan(replay_in: str) -> tuple[list[list[int]], list[str]]:
     """The micro-batches and tiers replay ran (replay.arrow metadata): optimize follows them exactly."""
-    meta = read_table(replay_in).schema.metadata or {}
-    if b"plan" not in meta:
+    meta = table_meta(replay_in)
+    if "plan" not in meta:
         raise ValueError(f"{replay_in} has no replay plan in its metadata: it was written by an older version; "
                          "re-run the step from replay (lgrpo rerun --stage replay)")
-    plan = json.loads(meta[b"plan"])
+    plan = json.loads(meta["plan"])
     return plan["microbatches"], plan["tiers"]
 
 

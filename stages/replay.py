@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from artifacts import RunDir, append_jsonl, read_table, to_tensor_list, verify, write_json, write_table
+from artifacts.tables import table_meta
 from engine import gates
 from engine.replay import Turns, plan_for, score_microbatch
 from stages import faults
@@ -50,7 +51,7 @@ def replay(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: 
     out = {"stage": "replay", "fresh": fresh}
     with timer(out):
         turns, table = load_turns(rollouts_in)
-        sigma = float(table.schema.metadata[b"sigma"])
+        sigma = float(table_meta(table)["sigma"])
         engine = runtime.trainer(cfg, base_in, base_in)
         engine.use_adapter(adapter_in)
         engine.live.clear()

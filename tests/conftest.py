@@ -64,7 +64,8 @@ def fresh_step(run_dir: str, step: int, adapter: str) -> dict:
     from stages.context import run_config
     from stages.export import export_base
     from stages.generate import generate_turn, sample_tasks
-    from stages.gym import collect_rollouts, run_gym
+    from stages.gym import run_gym
+    from stages.rollouts import collect_rollouts
     from stages.optimize import optimize
     from stages.replay import replay
 

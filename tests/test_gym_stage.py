@@ -190,7 +190,7 @@ def _oracle_turns(run_dir: str, tmp_path, *, restart_every: int = 0, fail_turn: 
 def test_research_gym_over_the_tool_server_with_faults_loses_no_episode(tmp_path):
     """The driver's real path: research episodes through the tool server the run starts, 20 % of requests
     faulted; every episode completes with the oracle's full reward and a sealed trace that verifies."""
-    from stages.gym import episode_stats, verify_traces
+    from stages.rollouts import episode_stats, verify_traces
 
     run_dir = make_run(tmp_path / "run", **{
         "gym.name": "research", "gym.max_turns": 6, "gym.options": {"n_entities": 8, "progress_reward": 0.25},

@@ -371,7 +371,7 @@ def test_generate_turn_thoughts_bitwise_warm_or_cold_and_counters(tmp_path):
     from engine import runtime
     from stages.export import export_base
     from stages.generate import generate_turn, sample_tasks
-    from stages.gym import write_state
+    from artifacts.tables import write_state
     from tests.conftest import make_run
 
     run_dir = make_run(tmp_path / "run", **{"gym.max_turns": 3})

@@ -15,14 +15,21 @@ def bf16_rtne(x):
 
 
 @triton.jit
+def _tile(n_rows, n_cols, BR: tl.constexpr, BC: tl.constexpr):
+    """This program's (BR, BC) tile of a row-major (n_rows, n_cols) tensor: its columns (BC,) and (1, BC), the
+    column mask, the element mask and the element offsets."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)[:, None]
+    cols1 = tl.program_id(1) * BC + tl.arange(0, BC)
+    cols = cols1[None, :]
+    cmask = cols < n_cols
+    return cols1, cols, cmask, (rows < n_rows) & cmask, rows.to(tl.int64) * n_cols + cols
+
+
+@triton.jit
 def fwd(r_ptr, l_ptr, ms_ptr, bias_ptr, out_ptr, n_rows, n_cols, s,
         DORA: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_LORA: tl.constexpr,
         BR: tl.constexpr, BC: tl.constexpr):
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)[:, None]
-    cols = tl.program_id(1) * BC + tl.arange(0, BC)[None, :]
-    cmask = cols < n_cols
-    mask = (rows < n_rows) & cmask
-    off = rows.to(tl.int64) * n_cols + cols
+    _, cols, cmask, mask, off = _tile(n_rows, n_cols, BR, BC)
     r_lp = tl.load(r_ptr + off, mask=mask, other=0.0)
     r = r_lp.to(tl.float32)
     lo = tl.load(l_ptr + off, mask=mask, other=0.0)
@@ -44,12 +51,7 @@ def fwd(r_ptr, l_ptr, ms_ptr, bias_ptr, out_ptr, n_rows, n_cols, s,
 @triton.jit
 def bwd_dora(g_ptr, ms_ptr, mss_ptr, base_ptr, l_ptr, gr_ptr, gl_ptr, part_ptr, n_rows, n_cols, s,
              BR: tl.constexpr, BC: tl.constexpr):
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)[:, None]
-    cols1 = tl.program_id(1) * BC + tl.arange(0, BC)
-    cols = cols1[None, :]
-    cmask = cols < n_cols
-    mask = (rows < n_rows) & cmask
-    off = rows.to(tl.int64) * n_cols + cols
+    cols1, cols, cmask, mask, off = _tile(n_rows, n_cols, BR, BC)
     g_lp = tl.load(g_ptr + off, mask=mask, other=0.0)
     g = g_lp.to(tl.float32)
     ms = tl.load(ms_ptr + cols, mask=cmask, other=0.0)

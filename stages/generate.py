@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from artifacts import RunDir, read_table, write_table
+from artifacts import RunDir, read_table
+from artifacts.tables import write_turn
 from engine.chat import first_prompt
 from stages.context import env_factory, run_config, run_tag, seed_for, timer
 
@@ -92,15 +93,9 @@ def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in:
         texts = [answer_text(tok, a, trainer.toks.eos) for a in ids]
         d = z.shape[-1]
         path = out_path or str(RunDir(run_dir).turn(step, turn))
-        write_table(path, {
-            "row": np.asarray(active, dtype=np.int32),
-            "prefix_ids": [np.asarray(p, dtype=np.int32) for p in prefixes],
-            "thoughts": [z[i].numpy().astype(np.float32).reshape(K, d) for i in range(len(active))],
-            "thought_logq": [logq[i].numpy().astype(np.float32) for i in range(len(active))],
-            "answer_ids": [np.asarray(a, dtype=np.int32) for a in ids],
-            "sampler_logps": [np.asarray(lp, dtype=np.float32) for lp in lps],
-            "answer_text": texts,
-        }, metadata={"step": str(step), "turn": str(turn), "K": str(K), "d": str(d), "sigma": repr(sigma)})
+        write_turn(path, active, prefixes, [z[i].numpy() for i in range(len(active))],
+                   [logq[i].numpy() for i in range(len(active))], ids, lps, texts, step=step, turn=turn, K=K, d=d,
+                   sigma=sigma)
         out.update(path=path, rows=len(active), answer_tokens=sum(len(a) for a in ids),
                    prefix_tokens=sum(len(p) for p in prefixes))
     return out

@@ -13,13 +13,10 @@ GPU, the peak memory the stage reached.
 
 from __future__ import annotations
 
-import json
-
-import numpy as np
 import torch
 
-from artifacts import RunDir, append_jsonl, read_table, to_tensor_list, verify, write_json, write_table
-from artifacts.tables import table_meta
+from artifacts import RunDir, append_jsonl, read_table, to_tensor_list, verify, write_json
+from artifacts.tables import table_meta, write_replay
 from engine import gates
 from engine.replay import Turns, plan_for, score_microbatch
 from stages import faults
@@ -93,13 +90,8 @@ def replay(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: 
             out.update(drift_mean=report["mean_gap"], drift_max=report["max_gap"])
             keep = [[True] * len(x) for x in trainer_lp]
         path = str(rd.replay(step))
-        write_table(path, {
-            "row": np.asarray(turns.rows, dtype=np.int32),
-            "trainer_logps": [x.numpy().astype(np.float32) for x in ans_lp],
-            "trainer_logq": [x.numpy().astype(np.float32) for x in logq],
-            "loss_mask": [np.asarray(k, dtype=bool) for k in keep],
-        }, metadata={"step": str(step), "fresh": str(fresh), "adapter": engine.adapter_digest,
-                     "microbatches": str(len(mbs)), "plan": json.dumps({"microbatches": mbs, "tiers": plan.tiers})})
+        write_replay(path, turns.rows, [x.numpy() for x in ans_lp], [x.numpy() for x in logq], keep, step=step,
+                     fresh=fresh, adapter=engine.adapter_digest, plan={"microbatches": mbs, "tiers": plan.tiers})
         if keep_graph:
             engine.live[live_key(rollouts_in, engine.adapter_digest)] = live
         out.update(path=path, turns=len(turns.rows), microbatches=len(mbs), tokens=sum(turns.lengths()),

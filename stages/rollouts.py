@@ -4,10 +4,8 @@
 
 from __future__ import annotations
 
-import numpy as np
-
-from artifacts import RunDir, read_table, write_table
-from artifacts.tables import table_meta
+from artifacts import RunDir, read_table
+from artifacts.tables import table_meta, write_rollouts
 from gyms.trace import TraceError, verify_trace
 from stages.context import run_config, timer
 
@@ -77,20 +75,9 @@ def collect_rollouts(run_dir: str, step: int, turn_ins: list[str], gym_ins: list
         K, d = int(meta["K"]), int(meta["d"])
         traces = verify_traces(final)
         path = out_path or str(RunDir(run_dir).rollouts(step))
-        write_table(path, {
-            "row": np.asarray([r for r, _, _ in recs], dtype=np.int32),
-            "group": np.asarray([groups[r] for r, _, _ in recs], dtype=np.int32),
-            "turn": np.asarray([t for _, t, _ in recs], dtype=np.int32),
-            "prefix_ids": [np.asarray(x["prefix_ids"], dtype=np.int32) for _, _, x in recs],
-            "thoughts": [np.asarray(x["thoughts"], dtype=np.float32).reshape(K, d) for _, _, x in recs],
-            "thought_logq": [np.asarray(x["thought_logq"], dtype=np.float32) for _, _, x in recs],
-            "answer_ids": [np.asarray(x["answer_ids"], dtype=np.int32) for _, _, x in recs],
-            "sampler_logps": [np.asarray(x["sampler_logps"], dtype=np.float32) for _, _, x in recs],
-            "answer_text": [x["answer_text"] for _, _, x in recs],
-            "reward": np.asarray([float(rewards[r]) for r, _, _ in recs], dtype=np.float32),
-            "advantage": np.asarray([float(adv[r]) for r, _, _ in recs], dtype=np.float32),
-        }, metadata={"step": str(step), "K": str(K), "d": str(d), "rows": str(len(final)),
-                     "num_generations": str(G), "sigma": meta["sigma"]})
+        write_rollouts(path, [{**x, "row": r, "group": groups[r], "turn": t, "reward": float(rewards[r]),
+                               "advantage": float(adv[r])} for r, t, x in recs],
+                       step=step, K=K, d=d, rows=len(final), num_generations=G, sigma=meta["sigma"])
         n = len(final)
         out.update(
             path=path, rollouts=n, turns=len(recs),

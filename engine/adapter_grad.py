@@ -87,16 +87,12 @@ class _AdapterTerm(torch.autograd.Function):
         xf = x.to(A.dtype) if x.dtype != A.dtype else x
         h = F.linear(xf, A)  # (.., r) fp32
         lora = F.linear(h, B)  # (.., out) fp32
+        epilogue = AK.epilogue_fused if fused else AK.epilogue_torch
         if m is None:
-            epilogue = AK.epilogue_fused if fused else AK.epilogue_torch
             out = epilogue(result, lora, None, None, scaling, False, round_lora)
             ctx.save_for_backward(x, h, A, B)
-        else:
-            ms = m / n
-            if fused:
-                out = AK.epilogue_fused(result, lora, ms, bias, scaling, True, False)
-            else:  # (result + ((ms - 1) * (result - bias) + ms * lora * scaling)).to(dt)
-                out = AK.epilogue_torch(result, lora, ms.view(1, -1), bias, scaling, True, False)
+        else:  # (result + ((ms - 1) * (result - bias) + ms * lora * scaling)).to(dt)
+            out = epilogue(result, lora, (m / n).view(1, -1), bias, scaling, True, False)
             ctx.save_for_backward(x, h, A, B, m, n, result, bias)
         ctx.scaling, ctx.dora, ctx.fused = scaling, m is not None, fused
         return out
@@ -114,8 +110,7 @@ class _AdapterTerm(torch.autograd.Function):
             # over tokens: (g_result, g_lora, Σ g·(base + s·lora)) in one kernel when fused, else as PyTorch does
             base_result = result if bias is None else result - bias
             backward = AK.dora_backward_fused if ctx.fused else AK.dora_backward_torch
-            ms = m / n
-            g_result, gl, g_sum = backward(g, ms if ctx.fused else ms.view(1, -1), base_result, F.linear(h, B), s)
+            g_result, gl, g_sum = backward(g, (m / n).view(1, -1), base_result, F.linear(h, B), s)
             g_m = g_sum / n
         else:
             g_result = g

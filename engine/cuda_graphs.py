@@ -287,7 +287,6 @@ class FrozenAdapter:
         self.model = model
         self.layers = single_adapter_layers(model)
         self.ms: dict[str, torch.Tensor] = {}
-        self.ms1: dict[str, torch.Tensor] = {}
         self._key = None
         self._installed = False
         self._depth = 0
@@ -312,10 +311,9 @@ class FrozenAdapter:
                 continue
             ms = self._scale(mod, a)
             if layout or name not in self.ms:
-                self.ms[name], self.ms1[name] = ms, ms - 1
+                self.ms[name] = ms
             else:
                 self.ms[name].copy_(ms)
-                self.ms1[name].copy_(ms - 1)
         self._key = self._state_key()
         return "layout" if layout else "values"
 
@@ -333,19 +331,11 @@ class FrozenAdapter:
             result = base(x, *args, **kwargs)
             if bnb4:
                 result = result.clone()
-            dt = result.dtype
             xf = x.to(A.weight.dtype) if x.dtype != A.weight.dtype else x
             lora = B(A(xf))
-            if AK.enabled(result):  # the same arithmetic in one kernel (engine/adapter_kernels.py), bit for bit
-                return AK.epilogue_fused(result, lora, self.ms[name] if dora else None, base.bias if dora else None,
-                                         scaling, dora, bnb4)
-            if not dora:
-                if bnb4:
-                    return result + (lora * scaling).to(dt)
-                return (result + lora * scaling).to(dt)
-            base_result = result if base.bias is None else result - base.bias
-            out = result + (self.ms1[name] * base_result + self.ms[name] * lora * scaling)
-            return out.to(dt)
+            # PEFT's combination (engine/adapter_kernels.py): one fused kernel where qualified, else its expressions
+            epilogue = AK.epilogue_fused if AK.enabled(result) else AK.epilogue_torch
+            return epilogue(result, lora, self.ms.get(name), base.bias if dora else None, scaling, dora, bnb4)
 
         return forward
 

@@ -131,12 +131,16 @@ def main(argv=None) -> dict:
     p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (quick checks)")
     p.add_argument("--gdn", default="auto", choices=["auto", "torch", "fla"])
     p.add_argument("--probe-tokens", type=int, default=512)
+    p.add_argument("--base", choices=["bf16", "nf4"], default="bf16", help="nf4: bitsandbytes NF4 base, as the 27B step")
+    p.add_argument("--adapter-kernels", nargs="+", choices=["auto", "torch"], default=["auto"],
+                   help="the LoRA/DoRA epilogue per pass of part 1 (engine/adapter_kernels.py); several: side by side")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
 
     import torch
 
     from configs.schema import ReplayConfig, load_config
+    from engine import adapter_kernels as AK
     from engine import gdn
     from engine import model as M
     from engine.replay import ReplayMemoryError
@@ -161,8 +165,15 @@ def main(argv=None) -> dict:
     vocab = arch["vocab_size"]
     res: dict = {"args": vars(a), "versions": gdn.versions()}
     t = time.perf_counter()
-    model = with_adapter(build_random(arch, vocab, dev, torch.bfloat16, 0), cfg27.adapter, 0)
+    base = build_random(arch, vocab, dev, torch.bfloat16, 0)
+    if a.base == "nf4":
+        from engine.nf4 import quantize_nf4_
+
+        res["quantized_layers"] = quantize_nf4_(base)
+        torch.cuda.empty_cache()
+    model = with_adapter(base, cfg27.adapter, 0)
     res["build_s"] = round(time.perf_counter() - t, 1)
+    res["adapter_epilogue"] = AK.install(a.adapter_kernels[0], dev)
     res["gdn"] = gdn.install(a.gdn, M._parts(model)[0].config, dev)
     eng = Eng(model)
     d = arch["hidden_size"]
@@ -180,35 +191,36 @@ def main(argv=None) -> dict:
 
     # 1. one long turn per tier ---------------------------------------------------------------------------------------
     res["turns"] = []
-    for T in a.tokens:
+    for T, kernels, tier in [(T, k, tier) for T in a.tokens for k in a.adapter_kernels for tier in a.tiers]:
         turns = make_turns([T - 16 - 64 - 1], 16, 64, d, vocab, eng.scale, T)
         F = flops(arch, model, T, 64)
-        for tier in a.tiers:
-            caps = {"keep": {}, "checkpoint": {"keep_graph_tokens": 0},
-                    "two_pass": {"keep_graph_tokens": 0, "checkpoint_tokens": 0}}[tier]
-            rc = ReplayConfig(**caps)
-            row = {"T": T, "tier": tier}
-            try:
-                from engine.replay import plan_for
+        epilogue = AK.install(kernels, dev)
+        caps = {"keep": {}, "checkpoint": {"keep_graph_tokens": 0},
+                "two_pass": {"keep_graph_tokens": 0, "checkpoint_tokens": 0}}[tier]
+        rc = ReplayConfig(**caps)
+        row = {"T": T, "tier": tier, "adapter_kernels": kernels, "epilogue": epilogue}
+        try:
+            from engine.replay import plan_for
 
-                plan = plan_for(eng, turns, rc, 1.0, 0.05)
-                if plan.tiers != [tier]:
-                    row["skipped"] = f"the preflight plans {plan.tiers} here (the tier does not fit)"
-                else:
-                    run_plan(eng, turns, rc, plan=plan)  # warm-up (kernel autotuning, allocator)
-                    r = run_plan(eng, turns, rc, plan=plan)
-                    row.update(r, tokens_per_s=round(T / r["total_s"], 1),
-                               mfu=round(F / r["total_s"] / PEAK_FLOPS, 4), useful_tflop=round(F / 1e12, 2),
-                               est_peak_gb=r["plan"].get("est_peak_gb"))
-            except (ReplayMemoryError, torch.OutOfMemoryError) as e:
-                row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-            gc.collect()
-            torch.cuda.empty_cache()
-            row["allocated_after_gb"] = round(torch.cuda.memory_allocated(dev) / 2**30, 2)
-            res["turns"].append(row)
-            print(json.dumps(row), flush=True)
+            plan = plan_for(eng, turns, rc, 1.0, 0.05)
+            if plan.tiers != [tier]:
+                row["skipped"] = f"the preflight plans {plan.tiers} here (the tier does not fit)"
+            else:
+                run_plan(eng, turns, rc, plan=plan)  # warm-up (kernel autotuning, allocator)
+                r = run_plan(eng, turns, rc, plan=plan)
+                row.update(r, tokens_per_s=round(T / r["total_s"], 1),
+                           mfu=round(F / r["total_s"] / PEAK_FLOPS, 4), useful_tflop=round(F / 1e12, 2),
+                           est_peak_gb=r["plan"].get("est_peak_gb"))
+        except (ReplayMemoryError, torch.OutOfMemoryError) as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        gc.collect()
+        torch.cuda.empty_cache()
+        row["allocated_after_gb"] = round(torch.cuda.memory_allocated(dev) / 2**30, 2)
+        res["turns"].append(row)
+        print(json.dumps(row), flush=True)
 
     # 2. recipe shapes: preflight estimate vs measured peak -----------------------------------------------------------
+    AK.install(a.adapter_kernels[0], dev)
     res["shapes"] = []
     for shape in a.shapes:
         rows, n_turns = map(int, shape.split("x"))

@@ -218,6 +218,10 @@ class GRPOConfig(_Strict):
     epsilon: float = Field(0.2, gt=0)
     epsilon_high: float | None = None
     delta: float | None = None
+    max_log_ratio: float | None = Field(
+        None, gt=0, description="clamp log(pi/pi_old) to [-m, m] before the exp (verl's guard, m=20 there); None: "
+        "TRL's arithmetic, where one term more than 88.7 nat above its old value overflows and makes the gradient "
+        "NaN (thought densities move by hundreds of nats on reuse steps at full width)")
     beta: float = 0.0
     importance_sampling_level: Literal["token", "sequence"] = "token"
     scale_rewards: Literal["group", "batch", "none"] = "group"

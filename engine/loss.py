@@ -128,6 +128,7 @@ def grpo_loss(
     is_ratio: Tensor | None = None,
     max_completion_length: int = 512,
     num_items_in_batch: Tensor | float | None = None,
+    max_log_ratio: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO policy loss and its metrics; mirrors `GRPOTrainer._compute_loss` with beta=0.
 
@@ -137,6 +138,10 @@ def grpo_loss(
     epsilon_high itself (not 1 + epsilon_high) as the cap on the detached ratio (ScaleRL recommends 5.0).
     num_items_in_batch=None means mask.sum() (dapo/cispo normalizer; pass the global token count when the
     batch is split).
+    max_log_ratio=None is TRL's arithmetic. A value m clamps log(pi/pi_old) to [-m, m] before the exp (verl's
+    guard, m=20 there): without it one term more than 88.7 nat above its old value makes exp overflow FP32 and the
+    dapo/grpo/bnpo/dr_grpo gradient NaN (inf * 0 in the clipped branch), whatever `delta`; cispo's detached ratio
+    is immune. A clamped term has zero gradient (as a clipped one); the share is reported as log_ratio/clamped.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r} is not supported; use one of {LOSS_TYPES}.")
@@ -162,6 +167,12 @@ def grpo_loss(
         log_w = log_ratio  # (B, T)
     else:  # GSPO: length-normalized sequence log-ratio
         log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # (B, 1)
+    clamped = None
+    if max_log_ratio is not None:
+        if not max_log_ratio > 0:
+            raise ValueError(f"max_log_ratio must be > 0 (or None for TRL's arithmetic), got {max_log_ratio}.")
+        clamped = log_w.detach().abs() > max_log_ratio
+        log_w = log_w.clamp(-max_log_ratio, max_log_ratio)
     coef_1 = torch.exp(log_w)
 
     if loss_type == "cispo":
@@ -213,6 +224,8 @@ def grpo_loss(
         flat = is_ratio.flatten() if is_ratio.shape[1] == 1 else is_ratio[mask.bool()]
         for name, fn in (("min", torch.min), ("mean", torch.mean), ("max", torch.max)):
             metrics[f"sampling/importance_sampling_ratio/{name}"] = fn(flat).item() if flat.numel() else 0.0
+    if clamped is not None:
+        metrics["log_ratio/clamped"] = masked_mean(clamped.float())
     return loss, metrics
 
 

@@ -86,7 +86,7 @@ class LossInputs:
         loss, m = grpo_loss(lp, self.old_lp, self.adv, self.mask, loss_type=g.loss_type, epsilon=g.epsilon,
                             epsilon_high=g.epsilon_high, delta=g.delta,
                             importance_sampling_level=g.importance_sampling_level, is_ratio=self.is_ratio,
-                            max_completion_length=g.max_completion_length)
+                            max_completion_length=g.max_completion_length, max_log_ratio=g.max_log_ratio)
         if metrics is not None:
             metrics.update(m)
             metrics["loss"] = loss.item()
@@ -184,6 +184,9 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
             gates.check_thought_gap(li.thought_gap, cfg.gates.thought_logq_gap_max, step)
         metrics: dict = {}
         w_thought, w_answer = driver_weights(cfg, li, metrics)
+        old_turn = from_sequences(li.rows, li.lengths, li.old_lp)
+        gates.check_finite_weights(step, w_thought, w_answer, [n - o for n, o in zip(li.lp_turn, old_turn)],
+                                   cfg.grpo.max_log_ratio)  # before the backward it would waste
         adv, mask, n_rows = li.adv, li.mask, li.n_rows
 
         engine = runtime.trainer(cfg, base_in, base_in)
@@ -201,7 +204,11 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
         gnorm = float(torch.linalg.vector_norm(torch.stack([x.norm() for x in grads])))
         signal = bool((adv != 0).any()) and bool(mask.any())
         if not torch.isfinite(torch.tensor(gnorm)):
-            raise gates.GateFailed("finite-gradients", f"gradient norm is {gnorm} at step {step}")
+            bad = [n for n, p in params if not bool(torch.isfinite(p.grad).all())]
+            raise gates.GateFailed(
+                "finite-gradients", f"gradient norm is {gnorm} at step {step} although every loss weight was finite: "
+                f"the backward through the model produced it, in {len(bad)} adapter tensors (first: {bad[:3]}); compare "
+                "with the FP32 reference on this step's stored rollouts (stages/gradcheck.py)", {"step": step, "tensors": bad[:20]})
         if cfg.gates.require_nonzero_grad and signal and gnorm == 0.0:
             raise gates.GateFailed("nonzero-gradients", f"step {step} had non-zero advantages but an all-zero gradient")
         if cfg.optimizer.max_grad_norm is not None:

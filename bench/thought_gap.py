@@ -8,6 +8,8 @@ Each variant makes a fresh run of the embedded default (shrunk like tests/test_g
 |recorded - replayed| log q(z) over every thought of the step (what gates.thought_logq_gap_max limits when
 model.attention_fp32 is on), with its distribution over thoughts. The gate itself is lifted to 1e9 here so that every
 variant is measured to the end; the bench reports, it does not judge (the gate's limit stays where configs/ put it).
+attention_fp32 with fla's GDN kernels (38.3 nat on the H200, bench/results/h200-thought-gap-2026-12-01.json) is
+refused by the config since, so it is no longer a variant here.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 VARIANTS = {
     "attn-bf16 gdn-auto": {},
-    "attn-fp32 gdn-auto": {"model.attention_fp32": True},
     "attn-bf16 gdn-torch": {"model.gdn_kernels": "torch"},
     "attn-fp32 gdn-torch": {"model.attention_fp32": True, "model.gdn_kernels": "torch"},
     "attn-fp32 gdn-torch eager": {"model.attention_fp32": True, "model.gdn_kernels": "torch", "generation.cuda_graphs": False},

@@ -45,7 +45,8 @@ class ModelConfig(_Strict):
         False, description="attention cores (QK^T, softmax, P·V) in FP32 in the trainer and the hf sampler, in every "
                            "layout (latent loop, decode, replay), output rounded once to `dtype`. In BF16 the latent "
                            "loop and replay then compute the same thought means far more often, and the per-step "
-                           "thought density gap is gated (gates.thought_logq_gap_max). No effect in float32")
+                           "thought density gap is gated (gates.thought_logq_gap_max). No effect in float32. On a GPU it needs "
+                           "model.gdn_kernels: torch (fla's recurrent and chunked kernels round differently)")
 
 
 class TokenizerConfig(_Strict):
@@ -349,6 +350,12 @@ class RunConfig(_Strict):
         if self.model.quantization == "nf4" and self.device != "cuda":
             raise ValueError("model.quantization=nf4 runs through bitsandbytes' CUDA kernels: set device: cuda "
                              "(the CPU path keeps a bf16 or fp32 base)")
+        if self.model.attention_fp32 and self.device == "cuda" and self.model.gdn_kernels != "torch":
+            raise ValueError(
+                "model.attention_fp32 gates the thought-density gap, which needs the same arithmetic in the latent "
+                "loop and in replay; on a GPU fla's GDN kernels are not (a single-token recurrent step against the "
+                "chunked form: 38.3 nat on an H200 against 2.3 with the reference, bench/results/h200-thought-gap-"
+                "2026-12-01.json). Set model.gdn_kernels: torch with it (slower replay), or turn attention_fp32 off")
         return self
 
     def model_is_hybrid(self) -> bool:

@@ -46,6 +46,8 @@ def test_unknown_key_is_rejected_with_its_path(tmp_path):
     ({"model.quantization": "nf4", "model.dtype": "bfloat16"}, "set device: cuda"),
     ({"device": "tpu"}, "device"),
     ({"model.source": "pretrained"}, "model.path"),
+    ({"device": "cuda", "model.attention_fp32": True}, "Set model.gdn_kernels: torch"),
+    ({"grpo.max_log_ratio": 0.0}, "max_log_ratio"),
 ])
 def test_invalid_combinations_fail_at_load(overrides, message):
     with pytest.raises(ConfigError, match=message):

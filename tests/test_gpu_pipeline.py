@@ -2,7 +2,8 @@
 
 Two fresh GRPO steps of the embedded default (shrunk like every pipeline test), through the stages, with
     bf16-lora   BF16 base, LoRA; trainer and hf sampler share one prefix cache
-    bf16-lora-attn32   the same with model.attention_fp32 (FP32 attention cores; the thought-density gap gated)
+    bf16-lora-attn32   the same with model.attention_fp32 (FP32 attention cores, reference GDN; the thought-density
+                       gap gated)
     nf4-dora    NF4 base (bitsandbytes) with FP32 DoRA masters; the hf sampler runs on the BF16 export, which the
                 export stage checks bit for bit against the trainer's dequantized weights (own prefix cache)
 Per step: the latent loop runs on the CUDA-graph static cache (warm-up, capture, replays) after a prefix-cached per-row
@@ -27,8 +28,9 @@ pytestmark = pytest.mark.gpu
 VARIANTS = {
     "bf16-lora": {},
     "nf4-dora": {"model.quantization": "nf4", "adapter.type": "dora"},
-    # model.attention_fp32: the thought-density gap between generation and replay is gated (issue: gate paths)
-    "bf16-lora-attn32": {"model.attention_fp32": True},
+    # model.attention_fp32: the thought-density gap between generation and replay is gated (issue: gate paths); it
+    # needs the reference GDN in both layouts on a GPU (fla's recurrent vs chunked kernels: 38.3 nat, the reference 2.3)
+    "bf16-lora-attn32": {"model.attention_fp32": True, "model.gdn_kernels": "torch"},
 }
 
 

@@ -45,7 +45,7 @@ import time
 import torch
 
 from engine import adapter_kernels as AK
-from engine.model import Tokens, _parts, cache_kw, gaussian_logq, left_pad, sampling_loop, thought_mean
+from engine.model import Tokens, _parts, cache_kw, left_pad, sampling_loop, thought_step
 from engine.adapter_grad import adapter_layers, adapter_params, dora_weight_norm, single_adapter_layers
 from engine.prefix_cache import ATTN, LINEAR, layer_kinds
 
@@ -554,10 +554,9 @@ class GraphedLatentLoop(_StaticDecoder):
 
     def _sample(self, h: torch.Tensor) -> None:
         """z = mu(h) + sigma * eps, its log-density; the next input is z in the model dtype."""
-        mu = thought_mean(h, self._scale)
-        z = mu + self._sigma * self.eps
+        z, lq = thought_step(h, self.eps, self._sigma, self._scale)
         self.z.copy_(z)
-        self.lq.copy_(gaussian_logq(z, mu, self._sigma))
+        self.lq.copy_(lq)
         self.x.copy_(z[:, None].to(self.dtype))
 
     def _step(self) -> None:

@@ -10,6 +10,7 @@ import math
 from functools import lru_cache
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -305,19 +306,39 @@ def latent_loop(model, prefixes: list[list[int]], K: int, sigma: float, scale: f
     x, mask, pos = left_pad(seqs)
     cache = DynamicCache(config=text.config)
     h = text(inputs_embeds=x, attention_mask=mask, position_ids=pos, **cache_kw(cache), use_cache=True).last_hidden_state[:, -1]
-    zs, lqs = [], []
-    for k in range(K):
-        mu = thought_mean(h, scale)  # (B, d)
-        eps = torch.randn(B, d, generator=gen, device=gen.device).to(dev)
-        z = mu + sigma * eps
-        zs.append(z)
-        lqs.append(gaussian_logq(z, mu, sigma))
-        if k == K - 1:
-            break
+
+    def feed(z: torch.Tensor) -> torch.Tensor:
+        nonlocal mask, pos
         mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
         pos = pos[:, -1:] + 1
-        h = text(inputs_embeds=z[:, None].to(dtype), attention_mask=mask, position_ids=pos, **cache_kw(cache),
-                 use_cache=True).last_hidden_state[:, -1]
+        return text(inputs_embeds=z[:, None].to(dtype), attention_mask=mask, position_ids=pos, **cache_kw(cache),
+                    use_cache=True).last_hidden_state[:, -1]
+
+    return sample_thoughts(h, K, sigma, scale, gen, feed)
+
+
+def thought_step(h: torch.Tensor, eps: torch.Tensor, sigma: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One latent step from the last hidden state h (B, d): mu = g(h), z = mu + sigma * eps, and log q(z). Every
+    latent path runs this one definition: the eager and prefix-cached loops (sample_thoughts) and the CUDA-graphed
+    loop (engine.cuda_graphs.GraphedLatentLoop), so their thoughts agree bit for bit. Returns z (B, d), log q (B,)."""
+    mu = thought_mean(h, scale)
+    z = mu + sigma * eps
+    return z, gaussian_logq(z, mu, sigma)
+
+
+def sample_thoughts(h: torch.Tensor, K: int, sigma: float, scale: float, gen: torch.Generator,
+                    feed: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """K thoughts from h (B, d), the hidden state at <think>: eps drawn from `gen` as one (B, d) block per step in
+    row order; feed(z) runs z through the model (in its dtype) and returns the next h. Returns (B, K, d), (B, K)."""
+    B, d = h.shape
+    zs, lqs = [], []
+    for k in range(K):
+        eps = torch.randn(B, d, generator=gen, device=gen.device).to(h.device)
+        z, lq = thought_step(h, eps, sigma, scale)
+        zs.append(z)
+        lqs.append(lq)
+        if k < K - 1:
+            h = feed(z)
     return torch.stack(zs, 1), torch.stack(lqs, 1)
 
 

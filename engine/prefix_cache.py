@@ -41,7 +41,7 @@ from typing import Sequence
 
 import torch
 
-from engine.model import Tokens, _parts, cache_kw, gaussian_logq, sampling_loop, thought_mean
+from engine.model import Tokens, _parts, cache_kw, sample_thoughts, sampling_loop
 
 LINEAR, ATTN = "linear_attention", "full_attention"
 
@@ -423,17 +423,13 @@ def latent_loop_cached(model, prefixes: list[list[int]], K: int, sigma: float, s
     kv, mask, pos = stack_rows(rs)
     think = emb(torch.full((B, 1), toks.think, dtype=torch.long, device=dev))
     h, mask, pos = _decode_step(text, think, kv, mask, pos)
-    zs, lqs = [], []
-    for k in range(K):
-        mu = thought_mean(h, scale)  # (B, d)
-        eps = torch.randn(B, d, generator=gen, device=gen.device).to(dev)
-        z = mu + sigma * eps
-        zs.append(z)
-        lqs.append(gaussian_logq(z, mu, sigma))
-        if k == K - 1:
-            break
+
+    def feed(z: torch.Tensor) -> torch.Tensor:
+        nonlocal mask, pos
         h, mask, pos = _decode_step(text, z[:, None].to(dtype), kv, mask, pos)
-    return torch.stack(zs, 1), torch.stack(lqs, 1)
+        return h
+
+    return sample_thoughts(h, K, sigma, scale, gen, feed)
 
 
 @torch.no_grad()

@@ -38,7 +38,8 @@ def main() -> int:
 
     from artifacts import RunDir, read_json
     from stages.context import run_config
-    from stages.gradcheck import compare, load_engine, pipeline_gradients, reference_gradients, unchanged_share
+    from engine.runtime import build
+    from stages.gradcheck import compare, pipeline_gradients, reference_gradients, unchanged_share
     from stages.optimize import loss_inputs
 
     rd = RunDir(Path(args.from_run))
@@ -52,14 +53,14 @@ def main() -> int:
           f"{sum(li.turns.lengths())} tokens); adapter {adapter}")
 
     t0 = time.perf_counter()
-    ref_engine = load_engine(base, adapter, torch.float32, cfg.adapter)
+    ref_engine = build(cfg, base, base, adapter_dir=adapter, dtype="float32")
     ref = reference_gradients(cfg, ref_engine, li)
     rows = {"reference_s": round(time.perf_counter() - t0, 2)}
     results = {}
-    for name, dtype, lora_bf16 in [("pipeline fp32", torch.float32, False),
-                                   ("pipeline bf16 base + fp32 LoRA masters", torch.bfloat16, False),
-                                   ("pipeline bf16 base + bf16 LoRA", torch.bfloat16, True)]:
-        eng = load_engine(base, adapter, dtype, cfg.adapter)
+    for name, dtype, lora_bf16 in [("pipeline fp32", "float32", False),
+                                   ("pipeline bf16 base + fp32 LoRA masters", "bfloat16", False),
+                                   ("pipeline bf16 base + bf16 LoRA", "bfloat16", True)]:
+        eng = build(cfg, base, base, adapter_dir=adapter, dtype=dtype)
         if lora_bf16:
             eng.model.to(torch.bfloat16)
         t0 = time.perf_counter()

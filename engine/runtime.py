@@ -187,9 +187,21 @@ def check_device(cfg) -> None:
                            "machine, or set model.quantization: none")
 
 
-def _build(model_dir: str | Path, tok_dir: str | Path, cfg, quantization: str = "none") -> Engine:
+def build(cfg, model_dir: str | Path, tok_dir: str | Path, *, quantization: str = "none", adapter_dir=None,
+          via_peft: bool = False, dtype: str | None = None, compute_dtype: torch.dtype | None = None) -> Engine:
+    """The one engine builder: the run's trainer and sampler, the fresh engines of the probe and the failure
+    diagnostic, and the gradient check's engines.
+
+    Base: `model_dir` in `dtype` (default model.dtype) on cfg.device; NF4 through bitsandbytes when quantization is
+    nf4; a random NF4 base's in-memory export is the trainer's dequantized weights. The project's GDN and adapter-
+    epilogue choice is installed, attention cores in FP32 when model.attention_fp32. compute_dtype: the base's
+    weights, rounded to `dtype`, then held and computed in this dtype (separates rounding from arithmetic).
+    Adapter: via_peft loads `adapter_dir` through PEFT's own from_pretrained (an independent load: the probe's and
+    the diagnostic's reference); otherwise cfg.adapter is attached with FP32 masters and loaded from `adapter_dir`
+    when given (the run's engines switch adapters with Engine.use_adapter)."""
     check_device(cfg)
     tok = tokenizer(tok_dir)
+    dtype = dtype or cfg.model.dtype
     if quantization == "nf4":
         from engine.nf4 import load_base_nf4
 
@@ -199,15 +211,26 @@ def _build(model_dir: str | Path, tok_dir: str | Path, cfg, quantization: str = 
         if m is not None and m.get("dequantized_from"):
             base = _dequantized_copy(cfg, model_dir, m)
         else:
-            base = M.load_base(model_dir, cfg.model.dtype, cfg.device)
+            base = M.load_base(model_dir, dtype, cfg.device)
+    if compute_dtype is not None:
+        base.to(compute_dtype)
     from engine import adapter_kernels, gdn
 
     gdn.install(cfg.model.gdn_kernels, base.config, cfg.device)  # before the first forward, whatever transformers routes
     adapter_kernels.install(cfg.model.adapter_kernels, cfg.device)  # before any CUDA graph is captured
     if cfg.model.attention_fp32:
         M.use_fp32_attention(base)  # trainer and hf sampler alike: same arithmetic, shared prefix cache, bitwise probe
-    torch.manual_seed(cfg.seed)  # adapter init (overwritten by use_adapter anyway)
-    model = M.attach_adapter(base, cfg.adapter)
+    if via_peft:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(base, str(adapter_dir))
+    else:
+        torch.manual_seed(cfg.seed)  # adapter init (overwritten by the loaded adapter anyway)
+        model = M.attach_adapter(base, cfg.adapter)
+        if adapter_dir is not None:
+            from artifacts import read_adapter_dir
+
+            M.load_adapter_state(model, read_adapter_dir(adapter_dir)[1])
     model.eval()
     return Engine(model=model, toks=M.Tokens.of(tok), scale=M.embed_scale(model),
                   graphs=cfg.device == "cuda" and cfg.generation.cuda_graphs)
@@ -234,7 +257,7 @@ def trainer(cfg, base_dir: str | Path, tok_dir: str | Path) -> Engine:
     key = ("trainer", str(Path(base_dir).resolve()), cfg.adapter.model_dump_json(), cfg.model.dtype,
            cfg.model.quantization, cfg.model.attention_fp32, cfg.device, cfg.generation.model_dump_json())
     if key not in _ENGINES:
-        _ENGINES[key] = _build(base_dir, tok_dir, cfg, cfg.model.quantization)
+        _ENGINES[key] = build(cfg, base_dir, tok_dir, quantization=cfg.model.quantization)
         _ENGINES[key].prefix_cache = _new_prefix_cache(cfg)
     return _ENGINES[key]
 
@@ -291,7 +314,7 @@ def sampler(cfg, export_dir: str | Path, tok_dir: str | Path):
                                 mtp_tokens=s.mtp_tokens, attention_backend=s.attention_backend),
                 M.Tokens.of(tokenizer(tok_dir)))
         else:
-            _ENGINES[key] = _build(export_dir, tok_dir, cfg)
+            _ENGINES[key] = build(cfg, export_dir, tok_dir)
             _ENGINES[key].prefix_cache = _new_prefix_cache(cfg)
             _ENGINES[key].same_arithmetic_as_trainer = cfg.model.quantization == "none"
     return _ENGINES[key]

@@ -31,27 +31,6 @@ from stages.context import run_config, timer
 TOL = 0.02  # nat: bf16 cached-vs-full decode differs by ~4e-4 here (fp32: ~2e-7); a defect shows far above
 
 
-def _fresh(model_dir: str, adapter_dir: str, dtype: str, device: str = "cpu", quantization: str = "none",
-           attention_fp32: bool = False):
-    """The engine as a fresh process would build it: base from disk (NF4 when the run's trainer is), adapter
-    through PEFT, on the run's device, attention in FP32 when the run's engines compute it so."""
-    from peft import PeftModel
-
-    from engine import model as M
-
-    if quantization == "nf4":
-        from engine.nf4 import load_base_nf4
-
-        base = load_base_nf4(model_dir, device=device)
-    else:
-        base = M.load_base(model_dir, dtype, device)
-    if attention_fp32:
-        M.use_fp32_attention(base)
-    m = PeftModel.from_pretrained(base, adapter_dir)
-    m.eval()
-    return m
-
-
 def _token_lp(lsm: torch.Tensor, answer: list[int], j: int) -> float:
     return float(lsm[j, answer[j]])
 
@@ -222,15 +201,16 @@ def diagnose(run_dir: str, step: int, gate: str, report: dict, adapter_in: str, 
             raise ValueError(f"no diagnostic for gate {gate!r}")
         if not cases:
             raise ValueError(f"gate {gate} report names no tokens to rebuild")
-        fresh_t = _fresh(base_in, adapter_in, cfg.model.dtype, cfg.device, cfg.model.quantization,
-                         cfg.model.attention_fp32)
+        # engines built as a new process would (device, NF4, attention), adapter through PEFT's own loader
+        fresh_t = runtime.build(cfg, base_in, base_in, quantization=cfg.model.quantization, adapter_dir=adapter_in,
+                                via_peft=True).model
         step_digest = dir_digest(adapter_in)
         if cfg.sampler.kind == "vllm":
             tokens, layers, graph = _analyse_vllm(cfg, trainer, sampler, fresh_t, cases, gate_values)
             stale = sampler.adapter_digest != step_digest
             weights = {"tensors": 1, "differing": int(stale), "examples": ["adapter version"] if stale else []}
         else:
-            fresh_s = _fresh(export, adapter_in, cfg.model.dtype, cfg.device, attention_fp32=cfg.model.attention_fp32)
+            fresh_s = runtime.build(cfg, export, base_in, adapter_dir=adapter_in, via_peft=True).model
             tokens, layers, graph = _analyse(cfg, trainer, sampler, fresh_t, fresh_s, cases, gate_values)
             weights = adapter_weight_check(sampler.model, adapter_in)
         weights.update(engine_digest=sampler.adapter_digest, step_digest=step_digest)

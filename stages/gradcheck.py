@@ -24,29 +24,6 @@ REL_L2_MAX = 0.002  # the gradient-equivalence gate (docs/architecture.md); neve
 NEGLIGIBLE = 1e-6  # a tensor whose reference norm is below this share of the total is compared in absolute terms
 
 
-class _Engine:
-    def __init__(self, model, toks, scale):
-        self.model, self.toks, self.scale = model, toks, scale
-
-
-def load_engine(base_dir: str, adapter_dir: str, dtype: torch.dtype, adapter_cfg,
-                compute_dtype: torch.dtype | None = None) -> _Engine:
-    """Base in ``dtype`` (bf16 or fp32) with the adapter loaded as FP32 masters. ``compute_dtype``: the base weights
-    rounded to ``dtype`` and then held (and computed) in this dtype, e.g. BF16-rounded weights in FP32 arithmetic,
-    which separates the rounding of the weights from the precision of the arithmetic."""
-    from artifacts import read_adapter_dir
-    from engine.runtime import tokenizer
-
-    base = M.load_base(base_dir, {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype])
-    if compute_dtype is not None:
-        base.to(compute_dtype)
-    model = M.attach_adapter(base, adapter_cfg)
-    _, tensors = read_adapter_dir(adapter_dir)
-    M.load_adapter_state(model, tensors)
-    model.eval()
-    return _Engine(model, M.Tokens.of(tokenizer(base_dir)), M.embed_scale(model))
-
-
 def adapter_grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().double().clone() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -57,7 +34,7 @@ def _zero(model) -> None:
             p.grad = torch.zeros_like(p)
 
 
-def pipeline_gradients(cfg, engine: _Engine, li: LossInputs, costs=None, budget: float | None = None
+def pipeline_gradients(cfg, engine, li: LossInputs, costs=None, budget: float | None = None
                        ) -> dict[str, torch.Tensor]:
     """Replay + driver weights + micro-batched backward, as a fresh step runs them, following the replay plan of
     ``cfg.replay`` (tiers keep / checkpoint / two-pass; ``costs``/``budget`` as the preflight would see them)."""
@@ -78,7 +55,7 @@ def pipeline_gradients(cfg, engine: _Engine, li: LossInputs, costs=None, budget:
     return adapter_grads(engine.model)
 
 
-def reference_gradients(cfg, engine: _Engine, li: LossInputs) -> dict[str, torch.Tensor]:
+def reference_gradients(cfg, engine, li: LossInputs) -> dict[str, torch.Tensor]:
     """All turns in one batch, direct autograd of the loss (no micro-batches, no driver weights)."""
     _zero(engine.model)
     c = cfg.grpo.thought_loss_weight

@@ -149,11 +149,9 @@ def verify_checkpoint(run_dir: str, adapter_in: str, base_in: str) -> dict:
         prefixes, thoughts, answers = probe_inputs(cfg, trainer, base_in)
         T = cfg.sampler.temperature
         live = D.teacher_forced(trainer.model, prefixes, thoughts, answers, T, trainer.toks)
-        from stages.diagnose import _fresh
-
-        # a fresh engine built as a new process would (device, NF4), adapter through PEFT
-        fresh = _fresh(base_in, adapter_in, cfg.model.dtype, cfg.device, cfg.model.quantization,
-                       cfg.model.attention_fp32)
+        # a fresh engine built as a new process would (device, NF4, attention), adapter through PEFT's own loader
+        fresh = runtime.build(cfg, base_in, base_in, quantization=cfg.model.quantization, adapter_dir=adapter_in,
+                              via_peft=True).model
         reloaded = D.teacher_forced(fresh, prefixes, thoughts, answers, T, trainer.toks)
         diffs = [float((a - b).abs().max()) for a, b in zip(live, reloaded)]
         identical = all(torch.equal(a, b) for a, b in zip(live, reloaded))

@@ -39,7 +39,9 @@ def _parse_set(items: list[str]) -> dict:
 
 def _records(run_dir: Path) -> dict[int, dict]:
     """Latest metrics record per step (a re-run step appends a newer one)."""
-    p = run_dir / "metrics.jsonl"
+    from artifacts import RunDir
+
+    p = RunDir(run_dir).metrics_history()
     if not p.exists():
         return {}
     out = {}
@@ -169,7 +171,7 @@ def cmd_eval(args) -> int:
     from stages.export import export_base
 
     rd = RunDir(Path(args.run_dir))
-    prep = read_json(rd.root / "prepared.json")
+    prep = read_json(rd.prepared())
     steps = [s for s in rd.steps() if rd.adapter(s).exists()]
     if args.step is None and not steps:
         adapter, tag = prep["adapter_init"], "before"
@@ -191,8 +193,7 @@ def cmd_gates(args) -> int:
 
     rd = RunDir(Path(args.run_dir))
     parity = read_jsonl(rd.parity_history()) if rd.parity_history().exists() else []
-    probes = {p["step"]: p for p in read_jsonl(rd.root / "probe_history.jsonl")} \
-        if (rd.root / "probe_history.jsonl").exists() else {}
+    probes = {p["step"]: p for p in read_jsonl(rd.probe_history())} if rd.probe_history().exists() else {}
     t = Table(title=f"gates of {rd.root}")
     for col in ("step", "kind", "tokens", "mean gap", "max gap", "masked", "k3 KL", "IS ratio min/max", "parity",
                 "probe max gap", "probe argmax"):
@@ -215,7 +216,7 @@ def cmd_gates(args) -> int:
     if probes:
         console.print(f"probes: {len(probes)}, all passed = {all(p['passed'] for p in probes.values())}, "
                       f"max gap {max(p['max_gap'] for p in probes.values()):.2e}")
-    vc = rd.root / "verified_checkpoint.json"
+    vc = rd.verified_checkpoint()
     if vc.exists():
         console.print(f"verified checkpoint: {read_json(vc)}")
     return 0

@@ -1,13 +1,15 @@
 """Run-directory layout: where every artifact of a run lives. Paths only; no I/O except ``ensure``.
 
 ```
-<root>/config.yaml
-<root>/parity_history.jsonl          <root>/metrics.jsonl
-<root>/tensorboard/ (event files)    <root>/curves.png    <root>/summary.json
-<root>/step-0001/turn-01.arrow       gym-01.arrow   rollouts.arrow   replay.arrow   parity.json
+<root>/config.yaml                   <root>/run.json (run id)       <root>/prepared.json   <root>/adapter-init/
+<root>/parity_history.jsonl          <root>/metrics.jsonl           <root>/probe_history.jsonl
+<root>/tensorboard/ (event files)    <root>/curves.png    <root>/summary.json    <root>/verified_checkpoint.json
+<root>/step-0001/tasks.arrow         turn-01.arrow  gym-01.arrow   rollouts.arrow   replay.arrow   parity.json
                  optimize.json       adapter/       optimizer.safetensors
-                 timings.json        metrics.json
+                 timings.json        metrics.json   probe.json     diagnostic-<gate>.json
+<root>/eval-<tag>/tasks.arrow        turn-01.arrow  gym-01.arrow   report.json
 <root>/export/<base_hash>/           <root>/bootstrap/<key>/          <root>/tokenizer/<key>/
+<root>/tool-server/ (tool server logs)                                <root>/cache/vllm/
 ```
 """
 
@@ -57,6 +59,30 @@ class RunDir:
     def curves_png(self) -> Path:
         return self.root / "curves.png"
 
+    def run_info(self) -> Path:
+        return self.root / "run.json"
+
+    def prepared(self) -> Path:
+        return self.root / "prepared.json"
+
+    def adapter_init(self) -> Path:
+        return self.root / "adapter-init"
+
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+    def probe_history(self) -> Path:
+        return self.root / "probe_history.jsonl"
+
+    def verified_checkpoint(self) -> Path:
+        return self.root / "verified_checkpoint.json"
+
+    def tool_server_logs(self) -> Path:
+        return self.root / "tool-server"
+
+    def vllm_cache(self) -> Path:
+        return self.root / "cache" / "vllm"
+
     def export_dir(self, base_hash: str) -> Path:
         return self.root / "export" / _key("base_hash", base_hash)
 
@@ -69,6 +95,9 @@ class RunDir:
     # per-step files
     def step_dir(self, step: int) -> Path:
         return self.root / f"step-{_index('step', step):04d}"
+
+    def tasks(self, step: int) -> Path:
+        return self.step_dir(step) / "tasks.arrow"
 
     def turn(self, step: int, t: int) -> Path:
         return self.step_dir(step) / f"turn-{_index('turn', t):02d}.arrow"
@@ -99,6 +128,28 @@ class RunDir:
 
     def metrics(self, step: int) -> Path:
         return self.step_dir(step) / "metrics.json"
+
+    def probe(self, step: int) -> Path:
+        return self.step_dir(step) / "probe.json"
+
+    def diagnostic(self, step: int, gate: str) -> Path:
+        return self.step_dir(step) / f"diagnostic-{_key('gate', gate)}.json"
+
+    # held-out evaluation of one adapter (tag: e.g. "before", "step-0019")
+    def eval_dir(self, tag: str) -> Path:
+        return self.root / f"eval-{_key('tag', tag)}"
+
+    def eval_tasks(self, tag: str) -> Path:
+        return self.eval_dir(tag) / "tasks.arrow"
+
+    def eval_turn(self, tag: str, t: int) -> Path:
+        return self.eval_dir(tag) / f"turn-{_index('turn', t):02d}.arrow"
+
+    def eval_gym_turn(self, tag: str, t: int) -> Path:
+        return self.eval_dir(tag) / f"gym-{_index('turn', t):02d}.arrow"
+
+    def eval_report(self, tag: str) -> Path:
+        return self.eval_dir(tag) / "report.json"
 
     # directories
     def ensure(self, step: int | None = None) -> RunDir:

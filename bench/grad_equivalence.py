@@ -46,7 +46,7 @@ def main() -> int:
     cfg = run_config(rd.root)
     fresh = [s for s in rd.steps() if s > 0 and cfg.steps.kind_of(s) == "fresh" and rd.replay(s).exists()]
     step = args.step if args.step is not None else fresh[-1]
-    base = read_json(rd.root / "prepared.json")["base"]
+    base = read_json(rd.prepared())["base"]
     adapter = str(rd.adapter(step - 1))
     li = loss_inputs(cfg, str(rd.rollouts(step)), str(rd.replay(step)), str(rd.replay(step)))
     print(f"trajectory: {rd.rollouts(step)} ({len(li.rows)} turns of {li.n_rows} rollouts, "

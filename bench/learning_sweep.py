@@ -47,7 +47,7 @@ def run_steps(run_dir: str, steps: int) -> list[dict]:
 
     cfg = run_config(run_dir)
     rd = RunDir(Path(run_dir))
-    prep = read_json(rd.root / "prepared.json")
+    prep = read_json(rd.prepared())
     base = prep["base"]
     export = export_base(run_dir, base)["path"]
     out, last_fresh = [], None
@@ -120,7 +120,7 @@ def one_run(preset: str, name: str, seed: int, overrides: dict, base_from: Path 
         "batch_reward_gain": (sum(gains) / len(gains)) if (gains := [s["batch_reward_gain"] for s in steps
                                                                      if "batch_reward_gain" in s]) else None,
         "eval_tasks": after["episodes"], "wall_s": round(time.time() - t0, 1), "steps": steps,
-        "bootstrap": read_json(rd.root / "prepared.json")["base"],
+        "bootstrap": read_json(rd.prepared())["base"],
     }
     return rec
 

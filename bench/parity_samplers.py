@@ -37,7 +37,7 @@ def main() -> int:
 
     rd = RunDir(Path(args.from_run))
     cfg = run_config(rd.root)
-    base = read_json(rd.root / "prepared.json")["base"]
+    base = read_json(rd.prepared())["base"]
     export = export_base(str(rd.root), base)["path"]
     steps = args.steps if args.steps is not None else [s for s in rd.steps() if cfg.steps.kind_of(s) == "fresh"
                                                         and rd.replay(s).exists()]

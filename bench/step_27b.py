@@ -60,6 +60,7 @@ def main(argv=None) -> dict:
                    "of the steps it finished are still written")
     a = p.parse_args(argv)
 
+    from artifacts import RunDir
     from configs.schema import load_config
 
     run_dir = Path(a.run_dir or f"runs/step-27b-g{a.groups}-{int(time.time())}").resolve()
@@ -90,7 +91,7 @@ def main(argv=None) -> dict:
     arch = dict(cfg.model.arch)
     P = matmul_params(arch) if "hidden_size" in arch and "linear_num_key_heads" in arch else None
     steps = []
-    mpath = run_dir / "metrics.jsonl"
+    mpath = RunDir(run_dir).metrics_history()
     for line in (mpath.read_text().splitlines() if mpath.exists() else []):
         m = json.loads(line)
         ph = m.get("phases", {})

@@ -162,6 +162,8 @@ def sampler_settings(cfg, export_dir: str | Path, tok_dir: str | Path, run_dir: 
     <run_dir>/cache/vllm; max_model_len: the longest turn the gym allows (question allowance 256 + token budget +
     thoughts + 2), capped by the checkpoint's max_position_embeddings.
     """
+    from artifacts import RunDir
+
     cfg_json = json.loads((Path(export_dir) / "config.json").read_text())
     cfg_json = cfg_json.get("text_config", cfg_json)
     need = 256 + cfg.gym.token_budget + cfg.latent.max_latent_steps + 2
@@ -169,7 +171,7 @@ def sampler_settings(cfg, export_dir: str | Path, tok_dir: str | Path, run_dir: 
     h = hashlib.sha256(f"{cfg.seed}:vllm:{rank}".encode()).digest()
     return dict(export_dir=str(export_dir), tok_dir=str(tok_dir), adapter=cfg.adapter,
                 seed=int.from_bytes(h[:4], "little") >> 1, max_model_len=min(need, max_pos),
-                cache_root=str(Path(run_dir) / "cache" / "vllm"), threads=cfg.threads or 1)
+                cache_root=str(RunDir(run_dir).vllm_cache()), threads=cfg.threads or 1)
 
 
 # ----------------------------------------------------------------------------------------------------------------

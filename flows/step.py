@@ -47,7 +47,7 @@ def _refresh(task, stage: str, force_from: str | None):
 def step_inputs(run_dir: str, step: int) -> dict:
     """Where step `step` reads its adapter, optimizer state and (reuse steps) rollouts from."""
     rd = RunDir(Path(run_dir))
-    prep = read_json(rd.root / "prepared.json")
+    prep = read_json(rd.prepared())
     cfg = run_config(run_dir)
     kind = cfg.steps.kind_of(step)
     out = {

@@ -16,7 +16,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
 
-from artifacts import dir_digest, read_json, verify
+from artifacts import RunDir, dir_digest, read_json, verify
 from engine.gates import GateFailed
 
 
@@ -63,7 +63,7 @@ def artifact_cache_key(ctx, parameters: dict[str, Any]) -> str:
     """Hash of the run id, the stage code (project and user), plain parameters and the contents of every `*_in`
     artifact."""
     run_dir = parameters.get("run_dir")
-    run_id = read_json(Path(run_dir) / "run.json")["run_id"] if run_dir else ""
+    run_id = read_json(RunDir(run_dir).run_info())["run_id"] if run_dir else ""
     user = user_code_digest(run_dir) if run_dir else ""
     keyed = {k: (_content(v) if k.endswith("_in") else v) for k, v in sorted(parameters.items())}
     blob = json.dumps({"run": run_id, "code": code_digest(), "user": user, "task": ctx.task.name, "params": keyed},

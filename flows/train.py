@@ -51,7 +51,7 @@ def train(config: str = "tiny", steps: int | None = None, run_dir: str | None = 
                              description="Fresh-step reward and success, held-out before/after, parity per step")
     summary = {"run_dir": run_dir, "seed": cfg.seed, "steps": history, "eval_before": before, "eval_after": after,
                "bootstrap": base, "verified_checkpoint": verified, **curves.summary_paths(run_dir)}
-    write_json(rd.root / "summary.json", summary)
+    write_json(rd.summary(), summary)
     create_table_artifact(
         key="run-reward",
         table=[{"step": h["step"], "kind": h["kind"], "reward": h.get("reward_mean"), "success": h.get("success_rate"),

@@ -126,7 +126,7 @@ def tool_client(cfg: RunConfig, run_dir: str | Path):
     key = (str(Path(run_dir).resolve()), config_hash(cfg, "gym"))
     if key in _CLIENTS:
         return _CLIENTS[key]
-    logs = Path(run_dir) / "tool-server"
+    logs = RunDir(run_dir).tool_server_logs()
     logs.mkdir(parents=True, exist_ok=True)
     url = ts.url
     if url is None:

@@ -224,7 +224,7 @@ def diagnose(run_dir: str, step: int, gate: str, report: dict, adapter_in: str, 
         result = {"gate": gate, "step": step, "tolerance": TOL, "reference": "trainer/fresh",
                   "verdict": max(set(verdicts), key=verdicts.count), "disagreeing_paths": sorted(guilty),
                   "adapter_weights": weights, "layers": layers, "graph_vs_eager": graph, "tokens": tokens}
-        path = RunDir(run_dir).step_dir(step) / f"diagnostic-{gate}.json"
+        path = RunDir(run_dir).diagnostic(step, gate)
         write_json(path, result)
         out.update(path=str(path), verdict=result["verdict"], disagreeing_paths=result["disagreeing_paths"],
                    graph_vs_eager=graph["status"])

@@ -7,9 +7,7 @@ and how episodes ended. Episodes and their sealed traces live under <run>/eval-<
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from artifacts import read_table, write_json
+from artifacts import RunDir, read_table, write_json
 from stages.context import run_config, timer
 from stages.generate import generate_turn, sample_tasks
 from stages.gym import run_gym
@@ -18,18 +16,18 @@ from stages.rollouts import episode_stats, verify_traces
 
 def evaluate(run_dir: str, tag: str, adapter_in: str, export_in: str, base_in: str) -> dict:
     cfg = run_config(run_dir)
-    root = Path(run_dir) / f"eval-{tag}"
+    rd = RunDir(run_dir)
     out = {"stage": "evaluate", "tag": tag}
     with timer(out):
         EVAL_STEP = -1  # seeds of held-out episodes never collide with a training step's
         st = sample_tasks(run_dir, EVAL_STEP, base_in, split="eval", n_groups=cfg.gym.eval_tasks,
-                          out_path=str(root / "tasks.arrow"), scope=f"eval-{tag}")
+                          out_path=str(rd.eval_tasks(tag)), scope=f"eval-{tag}")
         state = st["path"]
         tool_errors = turns = answer_tokens = 0
         for turn in range(cfg.gym.max_turns):
             tr = generate_turn(run_dir, EVAL_STEP, turn, state, adapter_in, export_in, base_in,
-                               out_path=str(root / f"turn-{turn:02d}.arrow"))
-            gr = run_gym(run_dir, EVAL_STEP, turn, state, tr["path"], base_in, out_path=str(root / f"gym-{turn:02d}.arrow"))
+                               out_path=str(rd.eval_turn(tag, turn)))
+            gr = run_gym(run_dir, EVAL_STEP, turn, state, tr["path"], base_in, out_path=str(rd.eval_gym_turn(tag, turn)))
             tool_errors += gr["tool_errors"]
             turns += tr["rows"]
             answer_tokens += tr["answer_tokens"]
@@ -47,7 +45,7 @@ def evaluate(run_dir: str, tag: str, adapter_in: str, export_in: str, base_in: s
             "mean_turns": turns / n,
             "traces_verified": verify_traces(final),
         }
-        write_json(root / "report.json", report)
+        write_json(rd.eval_report(tag), report)
         out.update(report)
     return out
 

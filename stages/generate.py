@@ -38,7 +38,7 @@ def sample_tasks(run_dir: str, step: int, base_in: str, split: str = "train", n_
         G = cfg.grpo.num_generations if split == "train" else 1
         rows = [(g, t) for g, t in enumerate(tasks) for _ in range(G)]
         prefixes = [np.asarray(tok(first_prompt(env.reset(t)))["input_ids"], dtype=np.int32) for _, t in rows]
-        path = out_path or str(rd.ensure(step).step_dir(step) / "tasks.arrow")
+        path = out_path or str(rd.ensure(step).tasks(step))
         scope = scope or f"s{step}"
         write_state(path, [initial_row(i, g, f"{run_tag(run_dir)}:{scope}:{i}", t.to_dict(), prefixes[i])
                            for i, (g, t) in enumerate(rows)], metadata={"step": str(step), "split": split})

@@ -244,7 +244,7 @@ def init_adapter(run_dir: str, base_dir: str) -> dict:
     cfg = run_config(run_dir)
     out = {"stage": "init-adapter"}
     with timer(out):
-        target = RunDir(run_dir).root / "adapter-init"
+        target = RunDir(run_dir).adapter_init()
         if target.exists():
             out.update(path=str(target), digest=dir_digest(target), cached=True)
             return out
@@ -258,7 +258,7 @@ def init_adapter(run_dir: str, base_dir: str) -> dict:
 
 def record_prepared(run_dir: str, tok: dict, base: dict, init: dict) -> None:
     """prepared.json: where this run's tokenizer, base and initial adapter are (steps read it)."""
-    write_json(RunDir(run_dir).root / "prepared.json", {"tokenizer": tok["path"], "base": base["path"],
+    write_json(RunDir(run_dir).prepared(), {"tokenizer": tok["path"], "base": base["path"],
                                                         "adapter_init": init["path"], "bootstrap": base})
 
 
@@ -284,6 +284,6 @@ def init_run_dir(cfg: RunConfig) -> RunDir:
                 "pass a new --run-dir, or the same settings to resume it")
     else:
         atomic_write(rd.config(), lambda tmp: tmp.write_text(text))
-    if not (rd.root / "run.json").exists():
-        write_json(rd.root / "run.json", {"run_id": uuid.uuid4().hex})
+    if not rd.run_info().exists():
+        write_json(rd.run_info(), {"run_id": uuid.uuid4().hex})
     return rd

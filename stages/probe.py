@@ -127,9 +127,9 @@ def probe(run_dir: str, step: int, adapter_in: str, export_in: str, base_in: str
                                 f"{first['max_abs']:.3g}, {first['relative']:.2g} of its output) although both "
                                 "engines run the same arithmetic")
         report["passed"] = not problems
-        step_path = rd.step_dir(step) / "probe.json"
+        step_path = rd.probe(step)
         write_json(step_path, report)
-        append_jsonl(rd.root / "probe_history.jsonl", report, replace="step")
+        append_jsonl(rd.probe_history(), report, replace="step")
         out.update(path=str(step_path), **{k: report[k] for k in ("argmax_agreement", "mean_gap", "max_gap", "passed")})
         if problems:
             raise GateFailed("teacher-forced-probe", "; ".join(problems), report)
@@ -156,7 +156,7 @@ def verify_checkpoint(run_dir: str, adapter_in: str, base_in: str) -> dict:
         diffs = [float((a - b).abs().max()) for a, b in zip(live, reloaded)]
         identical = all(torch.equal(a, b) for a, b in zip(live, reloaded))
         report = {"adapter": adapter_in, "prompts": len(prefixes), "identical": identical, "max_abs_diff": max(diffs)}
-        write_json(RunDir(run_dir).root / "verified_checkpoint.json", report)
+        write_json(RunDir(run_dir).verified_checkpoint(), report)
         out.update(report)
         if not identical:
             raise GateFailed("verified-checkpoint", f"the adapter reloaded from {adapter_in} scores the probe "

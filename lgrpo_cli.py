@@ -12,6 +12,8 @@ from pathlib import Path
 
 import yaml
 
+from artifacts import metrics as step_metrics
+
 
 def _quiet(verbose: bool) -> None:
     """Keep the console for the progress display: Prefect at WARNING, no HF progress bars or deprecation noise."""
@@ -60,11 +62,7 @@ def _watch(run_dir: Path, stop: threading.Event, progress, task_id) -> None:
                 continue
             seen.add(s)
             ph = " ".join(f"{k}={v:.2f}s" for k, v in r["phases"].items())
-            rew = f"reward={r['reward_mean']:.3f} " if "reward_mean" in r else ""
-            if r.get("success_rate") is not None:
-                rew += f"success={r['success_rate']:.2f} "
-            pc = f"prefix computed {r['prefix_computed_share']:.0%} " if r.get("prefix_computed_share") is not None else ""
-            progress.console.print(f"step {s:3d} {r['kind']:5s} {rew}loss={r['loss']:+.4f} {pc}| {ph}")
+            progress.console.print(f"step {s:3d} {r['kind']:5s} {step_metrics.line(r)} | {ph}")
             progress.update(task_id, completed=len(seen))
         stop.wait(0.5)
 
@@ -85,15 +83,11 @@ def summary_tables(summary: dict):
     for ph, by in phases.items():
         t1.add_row(ph, *[f"{sum(by.get(k, [0])) / max(len(by.get(k, [])), 1):.3f}" if k in by else "-" for k in kinds])
     t2 = Table(title="Reward per step")
-    for c in ("step", "kind", "reward", "success", "loss", "grad norm", "parity mean", "prefix computed", "seconds"):
+    cols = step_metrics.columns()  # declared in artifacts/metrics.py
+    for c in ("step", "kind", *(m.column for m in cols)):
         t2.add_column(c, justify="right")
     for s in steps:
-        t2.add_row(str(s["step"]), s["kind"], f"{s['reward_mean']:.3f}" if "reward_mean" in s else "-",
-                   f"{s['success_rate']:.3f}" if s.get("success_rate") is not None else "-",
-                   f"{s['loss']:+.4f}", f"{s['grad_norm']:.3g}",
-                   f"{s['parity_mean']:.2e}" if "parity_mean" in s else "-",
-                   f"{s['prefix_computed_share']:.0%}" if s.get("prefix_computed_share") is not None else "-",
-                   f"{s['stage_seconds']:.2f}")
+        t2.add_row(str(s["step"]), s["kind"], *(m.format(s) for m in cols))
     return t1, t2
 
 

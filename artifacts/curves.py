@@ -56,24 +56,6 @@ def close(run_dir: str | Path) -> None:
         w.close()
 
 
-def step_scalars(metrics: dict) -> dict[str, float | None]:
-    """The TensorBoard scalars of one step's metrics record (flows/step.py:publish)."""
-    out: dict[str, float | None] = {
-        "train/reward": metrics.get("reward_mean"),
-        "train/success": metrics.get("success_rate"),
-        "train/completion": metrics.get("completion_rate"),
-        "parity/mean": metrics.get("parity_mean"),
-        "parity/max": metrics.get("parity_max"),
-        "optim/loss": metrics.get("loss"),
-        "optim/grad_norm": metrics.get("grad_norm"),
-        "prefix_cache/computed_share": metrics.get("prefix_computed_share"),
-        "seconds/step": metrics.get("stage_seconds"),
-    }
-    for phase, sec in (metrics.get("phases") or {}).items():
-        out[f"seconds/{phase}"] = sec
-    return out
-
-
 def eval_scalars(report: dict) -> dict[str, float | None]:
     """The TensorBoard scalars of a held-out evaluation report (stages/evaluate.py)."""
     return {"heldout/reward": report.get("reward_mean"), "heldout/success": report.get("success_rate"),
@@ -138,4 +120,4 @@ def summary_paths(run_dir: str | Path) -> dict[str, str]:
     return {"tensorboard_dir": str(rd.tensorboard_dir()), "curves_png": str(rd.curves_png())}
 
 
-__all__ = ["close", "eval_scalars", "plot_run", "png_markdown", "step_scalars", "summary_paths", "write_scalars"]
+__all__ = ["close", "eval_scalars", "plot_run", "png_markdown", "summary_paths", "write_scalars"]

@@ -15,6 +15,7 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from artifacts import RunDir, append_jsonl, curves, read_json, write_json
+from artifacts import metrics as step_metrics
 from flows import tasks as T
 from stages.context import run_config
 
@@ -135,11 +136,7 @@ def publish(run_dir: str, step: int, kind: str, summaries: list[dict]) -> dict:
     by = {s["stage"]: s for s in summaries}
     metrics = {"step": step, "kind": kind, "stage_seconds": round(sum(ph.values()), 4),
                "cached": sorted({s["stage"] for s in summaries if s.get("cached")})}
-    if "collect-rollouts" in by:
-        c = by["collect-rollouts"]
-        metrics.update({k: c[k] for k in ("reward_mean", "reward_std", "success_rate", "completion_rate",
-                                          "tool_error_rate", "mean_turns", "answer_tokens", "mean_tokens",
-                                          "tool_token_share", "end_reasons", "transport_retries", "traces_verified")})
+    metrics.update(step_metrics.from_summaries(by))  # every metric declared in artifacts/metrics.py
     gens = [s for s in summaries if s["stage"] == "generate-turn" and "prefix_input_tokens" in s]
     if gens:  # the prefix cache: prefix tokens asked for vs computed, over the step's turns and both engines
         n_in = sum(s["prefix_input_tokens"] for s in gens)
@@ -153,25 +150,14 @@ def publish(run_dir: str, step: int, kind: str, summaries: list[dict]) -> dict:
              if s["stage"] == "generate-turn" and not s.get("cached")]
     if turns:  # per model turn: where the generate-turn seconds went (bench/step_27b.py prints them)
         metrics["generate_turns"] = turns
-    if "replay" in by and "parity_mean" in by["replay"]:
-        metrics.update(parity_mean=by["replay"]["parity_mean"], parity_max=by["replay"]["parity_max"],
-                       parity_masked=by["replay"]["masked"])
-    if "probe" in by:
-        metrics.update(probe_max_gap=by["probe"]["max_gap"], probe_argmax_agreement=by["probe"]["argmax_agreement"])
-    if "replay" in by and "plan" in by["replay"]:  # the replay memory plan: tokens per tier, the preflight's estimate
-        rp = by["replay"]
-        metrics.update(replay_tokens=rp["tokens"], replay_plan=rp["plan"])
     peaks = {s["stage"]: s["peak_gb"] for s in summaries if "peak_gb" in s and not s.get("cached")}
     if peaks:  # GPU: peak allocated memory per stage (the highest of a stage's runs)
         metrics["peak_gb"] = {k: max(s["peak_gb"] for s in summaries if s["stage"] == k and "peak_gb" in s)
                               for k in peaks}
-    o = by["optimize"]
-    metrics.update(loss=o["loss"], grad_norm=o["grad_norm"], signal=o["signal"], live_graph=o.get("live_graph"),
-                   thought_logq_gap_max=o.get("thought_logq_gap_max"), backward_s=o.get("backward_s"))
     write_json(rd.timings(step), ph)
     write_json(rd.metrics(step), metrics)
     append_jsonl(rd.metrics_history(), metrics | {"phases": ph}, replace="step")
-    curves.write_scalars(run_dir, step, curves.step_scalars(metrics | {"phases": ph}))
+    curves.write_scalars(run_dir, step, step_metrics.scalars(metrics | {"phases": ph}))
     create_table_artifact(
         key=f"step-{step:04d}-timings",
         table=[{"phase": k, "seconds": v} for k, v in ph.items()],

@@ -338,3 +338,26 @@ def test_run_dir_layout(tmp_path: Path) -> None:
 def test_import_does_not_pull_in_torch() -> None:
     code = "import sys, artifacts; assert 'torch' not in sys.modules, 'artifacts imported torch'"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+def test_step_metrics_are_declared_once_and_flow_to_record_scalars_and_cli(monkeypatch):
+    from artifacts import metrics as SM
+
+    by = {"collect-rollouts": {"stage": "collect-rollouts", "reward_mean": 0.5, "success_rate": 0.25},
+          "replay": {"stage": "replay", "parity_mean": 1e-3, "parity_max": 0.01, "masked": 2, "tokens": 900},
+          "optimize": {"stage": "optimize", "loss": -0.125, "grad_norm": 3.0, "signal": True}}
+    rec = SM.from_summaries(by)
+    assert rec == {"reward_mean": 0.5, "success_rate": 0.25, "parity_mean": 1e-3, "parity_max": 0.01,
+                   "parity_masked": 2, "replay_tokens": 900, "loss": -0.125, "grad_norm": 3.0, "signal": True}
+    rec |= {"prefix_computed_share": 0.29, "stage_seconds": 4.0, "phases": {"replay": 1.5}}
+    sc = SM.scalars(rec)
+    assert sc["train/reward"] == 0.5 and sc["optim/loss"] == -0.125 and sc["seconds/replay"] == 1.5
+    assert sc["train/completion"] is None  # declared, absent this step
+    assert SM.line(rec) == "reward=0.500 success=0.250 loss=-0.1250 prefix computed=29%"
+    # a new metric is one declaration: the record, the scalars and the CLI pick it up
+    monkeypatch.setattr(SM, "STEP_METRICS", SM.STEP_METRICS + (
+        SM.StepMetric("kl", "optimize", key="k3_kl", scalar="optim/kl", column="kl", fmt="{:.2f}", line=True),))
+    by["optimize"]["k3_kl"] = 0.5
+    rec = SM.from_summaries(by)
+    assert rec["kl"] == 0.5 and SM.scalars(rec)["optim/kl"] == 0.5
+    assert SM.line(rec).endswith("kl=0.50") and [m.column for m in SM.columns()][-1] == "kl"

@@ -119,7 +119,8 @@ def tool_client(cfg: RunConfig, run_dir: str | Path):
     """The run's HTTP tool client; starts the run's tool server on 127.0.0.1 unless ``tool_server.url`` is set."""
     import atexit
 
-    from gyms.server import FaultConfig, start_tool_server
+    from gyms.launcher import start_tool_server
+    from gyms.server import FaultConfig
     from gyms.transport import HttpToolClient
 
     ts = cfg.gym.tool_server

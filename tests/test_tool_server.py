@@ -1,4 +1,4 @@
-"""The HTTP tool server (gyms.server) and its retrying client (gym.transport), against the real server subprocess.
+"""The HTTP tool server (gyms.server, launched by gyms.launcher) and its retrying client (gyms.transport), against the real server subprocess.
 
 Fault injection: each kind alone, refused connections, a dead server (terminal error), 4xx without retry, bad
 request bodies, and the acceptance run (>= 200 concurrent episodes, 20 % of calls faulted over all six kinds:
@@ -16,13 +16,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from gyms.server import FAULT_KINDS, DemoTools, FaultConfig, ToolServer, start_tool_server
+from gyms.demo_tools import DemoTools
+from gyms.launcher import start_tool_server
+from gyms.server import FAULT_KINDS, FaultConfig, ToolServer
 from gyms.service import ToolClient, ToolService, ToolTransportError
 from gyms.tools import calc
 from gyms.trace import verify_entries
 from gyms.transport import HttpToolClient
 
-DEMO = "gyms.server:DemoTools"
+DEMO = "gyms.demo_tools:DemoTools"
 N_DOCS = 50
 DOCS = DemoTools(n_docs=N_DOCS)
 

@@ -479,6 +479,20 @@ def dir_digest(path: PathLike) -> str:
     return hashlib.sha256("".join(["dir-digest-v1\n", *sorted(entries)]).encode()).hexdigest()
 
 
+def seal_dir(src: Path, dst: Path) -> str:
+    """Copy every file of `src` into `dst` as verified artifacts (atomic, with sidecars); returns dir digest."""
+    tmp = dst.with_name(dst.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    for f in sorted(src.rglob("*")):
+        if f.is_file():
+            atomic_write(tmp / f.relative_to(src), lambda t, f=f: shutil.copyfile(f, t))
+    if dst.exists():
+        shutil.rmtree(dst)
+    tmp.rename(dst)
+    return dir_digest(dst)
+
+
 def _replace_dir(src: Path, dst: Path) -> None:
     """Move the complete directory ``src`` to ``dst``, replacing an existing ``dst``.
 

@@ -87,14 +87,14 @@ def _stage_task(name: str, retries: int, delays: list[float]):
 
 @_stage_task("prepare-tokenizer", 1, [2])
 def prepare_tokenizer(run_dir: str) -> dict:
-    from stages.prepare import prepare_tokenizer as fn
+    from stages.tokenizer import prepare_tokenizer as fn
 
     return fn(run_dir)
 
 
 @_stage_task("bootstrap-base", 1, [2])
 def bootstrap_base(run_dir: str, tok_in: str) -> dict:
-    from stages.prepare import bootstrap_base as fn
+    from stages.bootstrap import bootstrap_base as fn
 
     return fn(run_dir, tok_in)
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from artifacts import RunDir, dir_digest
+from artifacts import RunDir, dir_digest, seal_dir
 from stages.context import run_config, timer
-from stages.prepare import _seal_dir
 
 
 def export_base(run_dir: str, base_dir: str) -> dict:
@@ -62,7 +61,7 @@ def export_base(run_dir: str, base_dir: str) -> dict:
             if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
                 if not f.name.endswith(".sha256"):
                     shutil.copyfile(f, scratch / f.name)
-        _seal_dir(scratch, target)
+        seal_dir(scratch, target)
         shutil.rmtree(scratch)
         out.update(path=str(target), base_hash=base_hash, cached=False)
     return out

@@ -1,0 +1,192 @@
+"""bootstrap-base: the base model GRPO starts from (cached, keyed by everything that determines it).
+
+A tiny hybrid built from the config and fine-tuned on the gym's oracle episodes (thoughts from its own latent loop
+as inputs), a `model.source: random` recipe the engines build on their device, or a local pretrained checkpoint
+imported as a sealed artifact. The oracle episodes also feed the tokenizer (stages/tokenizer.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import shutil
+from pathlib import Path
+
+from artifacts import RunDir, dir_digest, seal_dir, sha256_file, write_json
+from configs.schema import GymConfig, RunConfig, config_hash
+from engine.chat import first_prompt, observation_block
+from stages.context import env_factory, run_config, timer
+
+
+def oracle_episodes(cfg, n: int, seed: int) -> list[dict]:
+    """Expert episodes from the gym's oracle: question, answers, observations (train split only)."""
+    make = env_factory(cfg)
+    env = make()
+    episodes = []
+    for task in env.sample_tasks(n, seed=seed, split="train"):
+        q = env.reset(task)
+        answers = env.oracle_answers(task)
+        obs = []
+        for a in answers:
+            res = env.step(a)
+            if res.done:
+                break
+            obs.append(res.observation)
+        close = getattr(env, "close", None)
+        if callable(close):
+            close()  # seal the episode's trace: the tool service frees it
+        episodes.append({"question": q, "answers": answers, "observations": obs, "reward": res.reward})
+    return episodes
+
+
+def preparation_config(cfg: RunConfig) -> RunConfig:
+    """The config as far as the tokenizer and the bootstrap depend on it: the held-out evaluation's size does not
+    change either, so runs that differ only in `gym.eval_tasks` share them."""
+    return cfg.with_overrides(**{"gym.eval_tasks": GymConfig.model_fields["eval_tasks"].default})
+
+
+def _turn_examples(episodes: list[dict], tok) -> list[tuple[list[int], list[int]]]:
+    """(prefix ids, answer ids) per model turn of each episode, built by concatenation as in generation."""
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    ex = []
+    for e in episodes:
+        prefix = tok(first_prompt(e["question"]))["input_ids"]
+        for i, a in enumerate(e["answers"]):
+            ans = tok(a)["input_ids"] + [eos]
+            ex.append((prefix, ans))
+            if i < len(e["observations"]):
+                prefix = prefix + ans + tok(observation_block(e["observations"][i]))["input_ids"]
+    return ex
+
+
+def bootstrap_base(run_dir: str, tok_dir: str) -> dict:
+    """The base model GRPO starts from: a random-init tiny hybrid, fine-tuned on oracle trajectories.
+
+    The supervised turns carry stochastic thoughts from the model's own latent loop (no gradient through them),
+    so the base learns to answer after K thoughts exactly as it will in rollouts.
+    """
+    from engine import model as M
+    from engine.runtime import set_threads, tokenizer
+
+    cfg = run_config(run_dir)
+    set_threads(cfg.threads)
+    out = {"stage": "bootstrap"}
+    with timer(out):
+        if cfg.model.source == "pretrained":  # imported once as a sealed artifact (every reader verifies it)
+            src = Path(cfg.model.path)
+            files = sorted(f for f in src.rglob("*") if f.is_file() and not f.name.endswith(".sha256"))
+            if not files:
+                raise FileNotFoundError(f"model.path {src} holds no files: give a local checkpoint directory")
+            h = hashlib.sha256()
+            for f in files:
+                h.update(f.relative_to(src).as_posix().encode() + b"\0" + sha256_file(f).encode())
+            target = RunDir(run_dir).bootstrap_dir("pretrained-" + h.hexdigest()[:16])
+            cached = target.exists()
+            if cached:
+                dir_digest(target)
+            else:
+                seal_dir(src, target)
+            out.update(path=str(target), cached=cached, source=str(src.resolve()))
+            return out
+        tok = tokenizer(tok_dir)
+        key = (config_hash(preparation_config(cfg), "model", "bootstrap", "latent", "gym", "tokenizer")[:12] + "-"
+               + dir_digest(tok_dir)[:8])
+        target = RunDir(run_dir).bootstrap_dir(key)
+        if target.exists():
+            dir_digest(target)
+            out.update(path=str(target), cached=True)
+            return out
+        toks = M.Tokens.of(tok)
+        if cfg.model.source == "random":  # a recipe, not weights: engines build it on their device from the seed
+            write_random_base(target, cfg, tok, toks)
+            out.update(path=str(target), cached=False, source="random")
+            return out
+        # the warm start trains in FP32 whatever the run computes in (bf16 training on a CPU is slow and coarse);
+        # engines load the checkpoint in model.dtype, and the export casts it once for the sampler
+        model = M.build_random_model(cfg.model.arch, len(tok), toks.pad, toks.eos, cfg.model.init_seed, "float32")
+        losses = []
+        if cfg.bootstrap.enabled:
+            losses = _supervised(cfg, model, tok, toks)
+        scratch = target.with_name(target.name + ".build")
+        model.save_pretrained(scratch)
+        tok.save_pretrained(scratch)
+        seal_dir(scratch, target)
+        shutil.rmtree(scratch)
+        write_json(target.parent / f"{key}.report.json", {"losses": losses})
+        out.update(path=str(target), cached=False, first_loss=losses[0] if losses else None,
+                   last_loss=losses[-1] if losses else None)
+    return out
+
+
+def write_random_base(target: Path, cfg, tok, toks) -> None:
+    """A `model.source: random` base: random_base.json (arch, vocabulary, seed, init std) and the tokenizer, sealed
+    like a checkpoint. The vocabulary is model.arch.vocab_size when set (the 27B shape keeps its 248,320 rows; the
+    tokenizer uses the first ids), else the tokenizer's."""
+    import json
+
+    from engine.model import RANDOM_BASE
+
+    vocab = int(cfg.model.arch.get("vocab_size", len(tok)))
+    if vocab < len(tok):
+        raise ValueError(f"model.arch.vocab_size={vocab} is smaller than the tokenizer ({len(tok)} tokens): raise it "
+                         "or drop the key")
+    arch = {k: v for k, v in cfg.model.arch.items() if k != "vocab_size"}
+    scratch = target.with_name(target.name + ".build")
+    scratch.mkdir(parents=True, exist_ok=True)
+    (scratch / RANDOM_BASE).write_text(json.dumps({
+        "arch": arch, "vocab_size": vocab, "pad_id": toks.pad, "eos_id": toks.eos, "seed": cfg.model.init_seed,
+        "std": 0.02}, indent=1, sort_keys=True))
+    tok.save_pretrained(scratch)
+    seal_dir(scratch, target)
+    shutil.rmtree(scratch)
+
+
+def _supervised(cfg, model, tok, toks) -> list[float]:
+    import torch
+
+    from engine import model as M
+
+    bc = cfg.bootstrap
+    episodes = oracle_episodes(cfg, bc.episodes, seed=cfg.gym.train_split_seed)
+    examples = _turn_examples(episodes, tok)
+    rng = random.Random(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=bc.lr, weight_decay=0.0)
+    n_batches = bc.epochs * ((len(examples) + bc.batch_size - 1) // bc.batch_size)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 20) * max(0.05, 1 - i / n_batches))
+    losses = []
+    K = cfg.latent.max_latent_steps
+    ROUND = 8  # thoughts are sampled for ROUND batches at once (one wide latent loop), then trained on
+    for _ in range(bc.epochs):
+        order = list(range(len(examples)))
+        rng.shuffle(order)
+        batches = [order[b:b + bc.batch_size] for b in range(0, len(order), bc.batch_size)]
+        for r in range(0, len(batches), ROUND):
+            chunk = [i for b in batches[r:r + ROUND] for i in b]
+            scale = M.embed_scale(model)
+            sigma = cfg.latent.sigma * scale
+            model.eval()
+            z, _ = M.latent_loop(model, [examples[i][0] for i in chunk], K, sigma, scale, toks, gen)
+            model.train()
+            thought = dict(zip(chunk, z))
+            for b in batches[r:r + ROUND]:
+                losses.append(_sft_update(model, opt, sched, [examples[i] for i in b], [thought[i] for i in b],
+                                          sigma, scale, toks))
+    model.eval()
+    return losses
+
+
+def _sft_update(model, opt, sched, batch, thoughts, sigma, scale, toks) -> float:
+    """One supervised step: -mean log-prob of the oracle answer tokens, thoughts as inputs."""
+    import torch
+
+    from engine import model as M
+
+    lp, _ = M.score_turns(model, [p for p, _ in batch], thoughts, [a for _, a in batch], 1.0, sigma, scale, toks)
+    loss = -torch.cat(lp).mean()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return round(loss.item(), 5)

@@ -7,9 +7,9 @@ A group of `rows` rollouts shares its first prompt c_0; every turn adds each row
     tiny  17 / 19 / 12, 4 turns  (the embedded default's measured lengths: runs/tiny step 2)
     long  384 / 32 / 48, 8 turns (an agent prompt with tool descriptions)
 Per turn: prefix tokens asked for (input) vs run through the model (computed), and median wall seconds of
-    prefill   uncached: one left-padded batch forward of all prefixes (what engine.model.latent_loop does)
+    prefill   uncached: one left-padded batch forward of all prefixes (what engine.latent.latent_loop does)
               cached:   prefill_rows (each row alone from its longest stored prefix) + stack_rows
-    latent    the whole latent loop (K thoughts): engine.model.latent_loop vs latent_loop_cached
+    latent    the whole latent loop (K thoughts): engine.latent.latent_loop vs latent_loop_cached
 Each timed cached repeat starts from a copy of the cache as it was before the turn. Tiny random model (configs/tiny
 arch, 512-token vocab), fp32, CPU: compare ratios, not absolute seconds. "+ sampler" counts the sampler's prefill of
 the same prefixes as hits on the same cache (only valid when trainer and sampler hold the same weights).
@@ -57,6 +57,7 @@ def run(name, model, toks, rows, repeats, K):
     import torch
 
     from engine import model as M
+    from engine import latent as LT
     from engine import prefix_cache as PC
 
     prompt, answer, obs, turns = SCENARIOS[name]
@@ -86,7 +87,7 @@ def run(name, model, toks, rows, repeats, K):
 
         pu = median_s(uncached_prefill, repeats)
         pcs = median_s(cached_prefill, repeats, lambda: copy.deepcopy(pc))
-        lu = median_s(lambda: M.latent_loop(model, prefixes, K, sigma, scale, toks, torch.Generator().manual_seed(t)),
+        lu = median_s(lambda: LT.latent_loop(model, prefixes, K, sigma, scale, toks, torch.Generator().manual_seed(t)),
                       repeats)
         lc = median_s(latent, repeats, lambda: copy.deepcopy(pc))
         pc.reset_counters()

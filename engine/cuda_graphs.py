@@ -31,8 +31,8 @@ Bitwise contract: `graphed=False` runs the identical step function eagerly (same
 tokens and log-probs of the graphed and the eager static path are equal bit for bit (GPU test). Relative to the
 dynamic-cache paths in engine.model / engine.prefix_cache the results are close, not bitwise (attention runs over
 the static max_len with a mask). Random draws: the eps blocks of the latent loop are drawn from the caller's
-generator exactly like engine.model.latent_loop (one (B, d) block per thought, in order, on gen.device); the
-sampler draws one multinomial over all rows per step like engine.model.sample_answers. Sampling stays outside the
+generator exactly like engine.latent.latent_loop (one (B, d) block per thought, in order, on gen.device); the
+sampler draws one multinomial over all rows per step like engine.answers.sample_answers. Sampling stays outside the
 graph, so any generator (CPU or CUDA) works.
 
 Nothing here touches CUDA at import time; on CPU both classes run their eager static path (tests, laptops).
@@ -45,7 +45,9 @@ import time
 import torch
 
 from engine import adapter_kernels as AK
-from engine.model import Tokens, _parts, cache_kw, left_pad, sampling_loop, thought_step
+from engine.answers import sampling_loop
+from engine.latent import thought_step
+from engine.model import Tokens, _parts, cache_kw, left_pad
 from engine.adapter_grad import adapter_layers, adapter_params, dora_weight_norm, single_adapter_layers
 from engine.prefix_cache import ATTN, LINEAR, layer_kinds
 
@@ -537,7 +539,7 @@ class _StaticDecoder:
 
 
 class GraphedLatentLoop(_StaticDecoder):
-    """engine.model.latent_loop / engine.prefix_cache.latent_loop_cached on a static cache with CUDA-graph replay.
+    """engine.latent.latent_loop / engine.prefix_cache.latent_loop_cached on a static cache with CUDA-graph replay.
 
         loop = GraphedLatentLoop(trainer_model, capacity=max_prefix + K + 1)
         z, logq = loop.run(prefixes, K, sigma, scale, toks, gen)           # left-padded prefill of prefix ⊕ <think>
@@ -634,7 +636,7 @@ class _Null:
 
 
 class GraphedDecoder(_StaticDecoder):
-    """engine.model.sample_answers / engine.prefix_cache.sample_answers_cached on a static cache with CUDA graphs.
+    """engine.answers.sample_answers / engine.prefix_cache.sample_answers_cached on a static cache with CUDA graphs.
 
         dec = GraphedDecoder(sampler_model, capacity=max_prefix + K + 2 + max_new)
         ids, lps = dec.sample(prompts, max_new, temperature, toks, gen, limits)             # prompt embeddings

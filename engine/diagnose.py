@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 
 from engine import model as M
+from engine import answers as AN
+from engine import scoring as SC
 
 
 @torch.no_grad()
@@ -25,7 +27,7 @@ def teacher_forced(model, prefixes: list[list[int]], thoughts: list[torch.Tensor
                    temperature: float, toks: M.Tokens) -> list[torch.Tensor]:
     """Post-temperature log-softmax over the vocabulary at each answer position: [(L_i, V)] fp32."""
     _, head, _ = M._parts(model)
-    hid = M.turn_hidden(model, prefixes, thoughts, answers, toks)
+    hid = SC.turn_hidden(model, prefixes, thoughts, answers, toks)
     S = hid.shape[1]
     return [torch.log_softmax(head(hid[i, S - len(a):]).float() / temperature, -1) for i, a in enumerate(answers)]
 
@@ -50,7 +52,7 @@ def cached_decode(model, prefix: list[int], thoughts: torch.Tensor, answer: list
     from transformers import DynamicCache
 
     text, _, _ = M._parts(model)
-    x = M.prompt_embeddings(model, prefix, thoughts, toks)[None]
+    x = AN.prompt_embeddings(model, prefix, thoughts, toks)[None]
     cache = DynamicCache(config=text.config)
     state = {"pos": torch.arange(x.shape[1], device=x.device)[None]}
 
@@ -120,7 +122,7 @@ def adapter_layer_outputs(model, prefix: list[int], thoughts: torch.Tensor, answ
             outputs[name] = out.detach().clone()
         hooks.append(module.register_forward_hook(hook))
     try:
-        M.turn_hidden(model, [prefix], [thoughts], [answer], toks)
+        SC.turn_hidden(model, [prefix], [thoughts], [answer], toks)
     finally:
         for h in hooks:
             h.remove()

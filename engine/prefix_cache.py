@@ -41,7 +41,9 @@ from typing import Sequence
 
 import torch
 
-from engine.model import Tokens, _parts, cache_kw, sample_thoughts, sampling_loop
+from engine.answers import sampling_loop
+from engine.latent import sample_thoughts
+from engine.model import Tokens, _parts, cache_kw
 
 LINEAR, ATTN = "linear_attention", "full_attention"
 
@@ -407,7 +409,7 @@ def _decode_step(text, x: torch.Tensor, kv, mask: torch.Tensor, pos: torch.Tenso
 def latent_loop_cached(model, prefixes: list[list[int]], K: int, sigma: float, scale: float, toks: Tokens,
                        gen: torch.Generator, cache: PrefixCache | None,
                        boundaries: Sequence[Sequence[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`engine.model.latent_loop` with the prefill through the prefix cache.
+    """`engine.latent.latent_loop` with the prefill through the prefix cache.
 
     Stores the pure-token prefix c_t; <think> and the thoughts are fed on the stacked batch cache and never stored.
     Same generator use as latent_loop (one (B, d) block per step, row order), so the eps draws are identical.
@@ -437,7 +439,7 @@ def sample_answers_cached(model, prefixes: list[list[int]], thoughts: torch.Tens
                           toks: Tokens, gen: torch.Generator, cache: PrefixCache | None,
                           limits: list[int] | None = None, boundaries: Sequence[Sequence[int]] | None = None
                           ) -> tuple[list[list[int]], list[list[float]]]:
-    """`engine.model.sample_answers` on prompts embed(c_t ⊕ <think>) ⊕ z ⊕ embed(</think>), with c_t prefilled
+    """`engine.answers.sample_answers` on prompts embed(c_t ⊕ <think>) ⊕ z ⊕ embed(</think>), with c_t prefilled
     through the prefix cache and <think> ⊕ z ⊕ </think> fed as one chunk on the stacked batch cache (never stored).
     Same generator use, same stopping rules."""
     text, head, emb = _parts(model)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import model as M
+from engine import scoring as SC
 
 TIERS = ("keep", "checkpoint", "two_pass")
 GiB = 2**30
@@ -267,7 +268,7 @@ def score_microbatch(engine, turns: Turns, idx: list[int], temperature: float, s
             stack.enter_context(replay_adapter(engine))
         if tier in ("checkpoint", "two_pass") and torch.is_grad_enabled():
             stack.enter_context(checkpointed_layers(engine.model, (lambda: replay_adapter(engine)) if lean else nullcontext))
-        return M.score_turns(engine.model, *args, logprob_chunk=None if rc is None else rc.logprob_chunk)
+        return SC.score_turns(engine.model, *args, logprob_chunk=None if rc is None else rc.logprob_chunk)
 
 
 @contextmanager

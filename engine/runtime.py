@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 
 from engine import model as M
+from engine import answers as AN
+from engine import latent as LT
 
 
 def set_threads(n: int | None) -> None:
@@ -102,7 +104,7 @@ class Engine:
             if self.prefix_cache is not None:
                 return PC.latent_loop_cached(self.model, prefixes, K, sigma, self.scale, self.toks, gen,
                                              self.prefix_cache, boundaries)
-            return M.latent_loop(self.model, prefixes, K, sigma, self.scale, self.toks, gen)
+            return LT.latent_loop(self.model, prefixes, K, sigma, self.scale, self.toks, gen)
 
     # -- the sampler role: answers and teacher-forced scores --------------------------------------------------------
     def answer_cache(self, trainer: "Engine"):
@@ -130,8 +132,8 @@ class Engine:
             if cache is not None:
                 return PC.sample_answers_cached(self.model, prefixes, z, max_new, temperature, self.toks, gen, cache,
                                                 limits, boundaries)
-            prompts = [M.prompt_embeddings(self.model, p, z[i], self.toks) for i, p in enumerate(prefixes)]
-            return M.sample_answers(self.model, prompts, max_new, temperature, self.toks, gen, limits=limits)
+            prompts = [AN.prompt_embeddings(self.model, p, z[i], self.toks) for i, p in enumerate(prefixes)]
+            return AN.sample_answers(self.model, prompts, max_new, temperature, self.toks, gen, limits=limits)
 
     def teacher_forced(self, prefixes, thoughts, answers, temperature: float, trainer: "Engine") -> list:
         """Per turn the (L,) post-temperature log-probs of the given answer tokens after prefix ⊕ thoughts."""
@@ -286,7 +288,7 @@ class VllmEngine:
     def _prompts(self, prefixes, thoughts, trainer: Engine) -> list[torch.Tensor]:
         """Prompt embeddings from the trainer's table: the export's values."""
         with torch.no_grad():
-            return [M.prompt_embeddings(trainer.model, p, thoughts[i], trainer.toks) for i, p in enumerate(prefixes)]
+            return [AN.prompt_embeddings(trainer.model, p, thoughts[i], trainer.toks) for i, p in enumerate(prefixes)]
 
     def answers(self, prefixes: list[list[int]], boundaries, z: torch.Tensor, max_new: int, temperature: float,
                 seed: int, limits: list[int], trainer: Engine, times: dict | None = None):

@@ -2,7 +2,7 @@
 
 Per model turn the sampler gets, for every active row, the prompt embeddings embed(c_t ⊕ <think>) ⊕ z_1..z_K ⊕
 embed(</think>) and returns the answer ids and the processed (post-temperature) log-probs of the sampled tokens,
-with the semantics of :func:`engine.model.sample_answers`: a row stops after <|im_end|> (kept as its last token),
+with the semantics of :func:`engine.answers.sample_answers`: a row stops after <|im_end|> (kept as its last token),
 after `max_new` tokens or after its `limits[i]` tokens. Row i samples with its own seed (rank seed, call seed, i), so
 its tokens do not depend on the other rows or on the batch.
 

@@ -145,6 +145,7 @@ def _supervised(cfg, model, tok, toks) -> list[float]:
     import torch
 
     from engine import model as M
+    from engine import latent as LT
 
     bc = cfg.bootstrap
     episodes = oracle_episodes(cfg, bc.episodes, seed=cfg.gym.train_split_seed)
@@ -166,7 +167,7 @@ def _supervised(cfg, model, tok, toks) -> list[float]:
             scale = M.embed_scale(model)
             sigma = cfg.latent.sigma * scale
             model.eval()
-            z, _ = M.latent_loop(model, [examples[i][0] for i in chunk], K, sigma, scale, toks, gen)
+            z, _ = LT.latent_loop(model, [examples[i][0] for i in chunk], K, sigma, scale, toks, gen)
             model.train()
             thought = dict(zip(chunk, z))
             for b in batches[r:r + ROUND]:
@@ -180,9 +181,9 @@ def _sft_update(model, opt, sched, batch, thoughts, sigma, scale, toks) -> float
     """One supervised step: -mean log-prob of the oracle answer tokens, thoughts as inputs."""
     import torch
 
-    from engine import model as M
+    from engine import scoring as SC
 
-    lp, _ = M.score_turns(model, [p for p, _ in batch], thoughts, [a for _, a in batch], 1.0, sigma, scale, toks)
+    lp, _ = SC.score_turns(model, [p for p, _ in batch], thoughts, [a for _, a in batch], 1.0, sigma, scale, toks)
     loss = -torch.cat(lp).mean()
     opt.zero_grad(set_to_none=True)
     loss.backward()

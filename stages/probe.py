@@ -56,13 +56,13 @@ def _probe_turns(cfg_json: str, tok_dir: str) -> tuple[tuple[tuple[int, ...], tu
 
 def probe_inputs(cfg, trainer, tok_dir: str) -> tuple[list[list[int]], list[torch.Tensor], list[list[int]]]:
     """The probe turns with thoughts from the trainer's latent loop (fixed seed, current adapter)."""
-    from engine import model as M
+    from engine import latent as LT
 
     turns = _probe_turns(cfg.model_dump_json(), str(tok_dir))
     prefixes = [list(p) for p, _ in turns]
     answers = [list(a) for _, a in turns]
     sigma = cfg.latent.sigma * trainer.scale
-    z, _ = M.latent_loop(trainer.model, prefixes, cfg.latent.max_latent_steps, sigma, trainer.scale, trainer.toks,
+    z, _ = LT.latent_loop(trainer.model, prefixes, cfg.latent.max_latent_steps, sigma, trainer.scale, trainer.toks,
                          generator(PROBE_SEED, "probe-thoughts"))
     return prefixes, [z[i] for i in range(len(prefixes))], answers
 

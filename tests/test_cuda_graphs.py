@@ -15,6 +15,8 @@ import torch
 from configs.schema import load_config
 from engine import cuda_graphs as CG
 from engine import model as M
+from engine import answers as AN
+from engine import latent as LT
 from engine import prefix_cache as PC
 
 torch.set_num_threads(1)
@@ -55,7 +57,7 @@ def _prefixes(rows=4, seed=0):
 
 
 def _prompt(model, prefix, thoughts):
-    """M.prompt_embeddings on the model's device."""
+    """AN.prompt_embeddings on the model's device."""
     emb = M._parts(model)[2]
     dev = emb.weight.device
     head = emb(torch.tensor(prefix + [TOKS.think], device=dev))
@@ -81,7 +83,7 @@ def test_static_latent_loop_matches_dynamic_cache(fp32_model, attention):
     model = fp32_model
     prefixes = _prefixes()
     scale = M.embed_scale(model)
-    ref_z, ref_q = M.latent_loop(model, prefixes, 5, 0.05 * scale, scale, TOKS, _gen(3))
+    ref_z, ref_q = LT.latent_loop(model, prefixes, 5, 0.05 * scale, scale, TOKS, _gen(3))
     loop = CG.GraphedLatentLoop(model, graphed=False, attention=attention)
     z, q = loop.run(prefixes, 5, 0.05 * scale, scale, TOKS, _gen(3))
     assert z.shape == ref_z.shape and q.shape == ref_q.shape
@@ -109,10 +111,10 @@ def test_static_decoder_matches_sample_answers(fp32_model, attention):
     model = fp32_model
     scale = M.embed_scale(model)
     prefixes = _prefixes(3, seed=1)
-    z, _ = M.latent_loop(model, prefixes, 3, 0.05 * scale, scale, TOKS, _gen(1))
-    prompts = [M.prompt_embeddings(model, p, z[i], TOKS) for i, p in enumerate(prefixes)]
+    z, _ = LT.latent_loop(model, prefixes, 3, 0.05 * scale, scale, TOKS, _gen(1))
+    prompts = [AN.prompt_embeddings(model, p, z[i], TOKS) for i, p in enumerate(prefixes)]
     limits = [9, 3, 12]
-    ref_ids, ref_lps = M.sample_answers(model, prompts, 10, 1.0, TOKS, _gen(2), limits=limits)
+    ref_ids, ref_lps = AN.sample_answers(model, prompts, 10, 1.0, TOKS, _gen(2), limits=limits)
     dec = CG.GraphedDecoder(model, graphed=False, attention=attention)
     ids, lps = dec.sample(prompts, 10, 1.0, TOKS, _gen(2), limits=limits)
     assert ids == ref_ids
@@ -156,7 +158,7 @@ def test_static_path_with_dora_adapter_matches_peft_dynamic():
     model = _model(adapter="dora")
     scale = M.embed_scale(model)
     prefixes = _prefixes(2, seed=4)
-    ref_z, _ = M.latent_loop(model, prefixes, 3, 0.05 * scale, scale, TOKS, _gen(9))
+    ref_z, _ = LT.latent_loop(model, prefixes, 3, 0.05 * scale, scale, TOKS, _gen(9))
     z, _ = CG.GraphedLatentLoop(model, graphed=False).run(prefixes, 3, 0.05 * scale, scale, TOKS, _gen(9))
     torch.testing.assert_close(z, ref_z, atol=1e-4, rtol=1e-4)
 
@@ -270,7 +272,7 @@ def test_static_cache_capacity_is_rounded_so_a_growing_prefix_keeps_its_cache(fp
     assert cap % 64 == 0 and cap >= max(len(p) for p in short) + 3
     z, q = loop.run(longer, 3, 0.05 * scale, scale, TOKS, _gen(2))
     assert loop.cache is cache and loop.cache.max_len == cap  # same buffers: no new cache, no new capture
-    ref_z, ref_q = M.latent_loop(model, longer, 3, 0.05 * scale, scale, TOKS, _gen(2))
+    ref_z, ref_q = LT.latent_loop(model, longer, 3, 0.05 * scale, scale, TOKS, _gen(2))
     torch.testing.assert_close(z, ref_z, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(q, ref_q, atol=1e-3, rtol=1e-5)
     with pytest.raises(ValueError, match="capacity_step"):

@@ -116,7 +116,7 @@ def test_dora_double_rounding_fails_the_probe_and_the_diagnostic_names_the_layer
 
 def test_probe_checkpoint_and_bitwise_thoughts_on_a_healthy_run(tmp_path):
     from artifacts import read_json, read_jsonl
-    from engine import model as M
+    from engine import latent as LT
     from engine import runtime
     from stages.context import generator, run_config
     from stages.probe import probe, verify_checkpoint
@@ -135,8 +135,8 @@ def test_probe_checkpoint_and_bitwise_thoughts_on_a_healthy_run(tmp_path):
     cfg = run_config(run_dir)
     eng = runtime.trainer(cfg, s0["base"], s0["base"])
     prefixes = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
-    a = M.latent_loop(eng.model, prefixes, 4, 0.05 * eng.scale, eng.scale, eng.toks, generator(0, "bitwise"))
-    b = M.latent_loop(eng.model, prefixes, 4, 0.05 * eng.scale, eng.scale, eng.toks, generator(0, "bitwise"))
+    a = LT.latent_loop(eng.model, prefixes, 4, 0.05 * eng.scale, eng.scale, eng.toks, generator(0, "bitwise"))
+    b = LT.latent_loop(eng.model, prefixes, 4, 0.05 * eng.scale, eng.scale, eng.toks, generator(0, "bitwise"))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     # a reuse step appends its (ungated) drift report: every step leaves a parity record
     from stages.replay import replay

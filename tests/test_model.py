@@ -7,6 +7,9 @@ import torch
 
 from configs.schema import load_config
 from engine import model as M
+from engine import answers as AN
+from engine import latent as LT
+from engine import scoring as SC
 from engine.chat import episode_text, first_prompt
 
 torch.set_num_threads(1)
@@ -51,9 +54,9 @@ def test_adapter_weights_are_fp32_masters_on_a_bf16_base(tiny):
 def test_latent_loop_same_seed_is_bitwise(tiny):
     cfg, _, toks, model, prefixes = tiny
     scale, sigma = _scale_sigma(model, cfg)
-    z1, q1 = M.latent_loop(model, prefixes, 4, sigma, scale, toks, torch.Generator().manual_seed(7))
-    z2, q2 = M.latent_loop(model, prefixes, 4, sigma, scale, toks, torch.Generator().manual_seed(7))
-    z3, _ = M.latent_loop(model, prefixes, 4, sigma, scale, toks, torch.Generator().manual_seed(8))
+    z1, q1 = LT.latent_loop(model, prefixes, 4, sigma, scale, toks, torch.Generator().manual_seed(7))
+    z2, q2 = LT.latent_loop(model, prefixes, 4, sigma, scale, toks, torch.Generator().manual_seed(7))
+    z3, _ = LT.latent_loop(model, prefixes, 4, sigma, scale, toks, torch.Generator().manual_seed(8))
     assert torch.equal(z1, z2) and torch.equal(q1, q2)
     assert not torch.equal(z1, z3)
     assert z1.shape == (3, 4, model.config.hidden_size) and q1.shape == (3, 4)
@@ -64,9 +67,9 @@ def _one_turn(tiny, seed: int, max_new: int):
     cfg, _, toks, model, prefixes = tiny
     scale, sigma = _scale_sigma(model, cfg)
     gen = torch.Generator().manual_seed(seed)
-    z, q = M.latent_loop(model, prefixes, 4, sigma, scale, toks, gen)
-    prompts = [M.prompt_embeddings(model, p, z[i], toks) for i, p in enumerate(prefixes)]
-    ids, lps = M.sample_answers(model, prompts, max_new, 1.0, toks, gen)
+    z, q = LT.latent_loop(model, prefixes, 4, sigma, scale, toks, gen)
+    prompts = [AN.prompt_embeddings(model, p, z[i], toks) for i, p in enumerate(prefixes)]
+    ids, lps = AN.sample_answers(model, prompts, max_new, 1.0, toks, gen)
     return z, q, ids, lps
 
 
@@ -76,7 +79,7 @@ def test_replay_matches_generation(tiny):
     scale, sigma = _scale_sigma(model, cfg)
     z, q, ids, lps = _one_turn(tiny, seed=0, max_new=10)
     with torch.no_grad():
-        alp, q2 = M.score_turns(model, prefixes, list(z), ids, 1.0, sigma, scale, toks)
+        alp, q2 = SC.score_turns(model, prefixes, list(z), ids, 1.0, sigma, scale, toks)
     for a, b in zip(alp, lps):
         assert torch.allclose(a, torch.tensor(b), atol=1e-4, rtol=0)
     # log q sums d squared terms divided by sigma^2: relative agreement is what FP32 can give
@@ -96,7 +99,7 @@ def test_token_weight_backprop_equals_direct_gradient(tiny):
     rows = [0, 1, 2]
 
     def seqs():
-        a, qq = M.score_turns(model, prefixes, list(z), ids, 1.0, sigma, scale, toks)
+        a, qq = SC.score_turns(model, prefixes, list(z), ids, 1.0, sigma, scale, toks)
         return to_sequences(rows, [torch.cat([qq[i], a[i]]) for i in rows], 3)
 
     old = seqs()[0].detach() - 0.05  # an off-policy reuse step: ratios != 1, some clipped

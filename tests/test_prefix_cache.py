@@ -10,6 +10,8 @@ import torch
 
 from configs.schema import load_config
 from engine import model as M
+from engine import answers as AN
+from engine import latent as LT
 from engine import prefix_cache as PC
 
 torch.set_num_threads(1)
@@ -282,7 +284,7 @@ def test_latent_loop_cached_bitwise_and_close_to_uncached(model):
     # the thoughts never enter the cache: only the pure-token prefixes are stored
     assert pc.stored_lengths() == sorted([len(eps[0][0])] + [len(p) for p in eps[1]])
     # vs the uncached latent loop (one left-padded prefill of prefix ⊕ <think>), same eps draws
-    z0, q0 = M.latent_loop(model, eps[1], K, sigma, scale, TOKS, torch.Generator().manual_seed(7))
+    z0, q0 = LT.latent_loop(model, eps[1], K, sigma, scale, TOKS, torch.Generator().manual_seed(7))
     dz, dq = float((z1 - z0).abs().max()), float(((q1 - q0) / q0).abs().max())
     print(f"\nlatent_loop_cached vs latent_loop: max |dz| = {dz:.2e} (|z| ~ {float(z0.abs().max()):.2f}), "
           f"max rel dlogq = {dq:.2e}")
@@ -350,8 +352,8 @@ def test_sample_answers_cached_matches_uncached(model):
     ids, lps = PC.sample_answers_cached(model, eps[1], z, 8, 1.0, TOKS, torch.Generator().manual_seed(2), pc,
                                         limits=[8, 3, 8])
     assert pc.computed_tokens == 0  # the latent loop already stored every c_t
-    prompts = [M.prompt_embeddings(model, p, z[i], TOKS) for i, p in enumerate(eps[1])]
-    ids0, lps0 = M.sample_answers(model, prompts, 8, 1.0, TOKS, torch.Generator().manual_seed(2), limits=[8, 3, 8])
+    prompts = [AN.prompt_embeddings(model, p, z[i], TOKS) for i, p in enumerate(eps[1])]
+    ids0, lps0 = AN.sample_answers(model, prompts, 8, 1.0, TOKS, torch.Generator().manual_seed(2), limits=[8, 3, 8])
     assert ids == ids0 and len(ids[1]) <= 3
     for a, b in zip(lps, lps0):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)

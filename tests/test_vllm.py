@@ -178,6 +178,7 @@ def dora(tiny):
 def _turns(pm, toks, n: int, seed: int, K: int = 4):
     """n turns: random prefixes, thoughts at the embedding scale, and their prompt embeddings (trainer-side)."""
     from engine import model as M
+    from engine import answers as AN
 
     g = torch.Generator().manual_seed(seed)
     prefixes = [torch.randint(10, 500, (int(torch.randint(8, 48, (1,), generator=g)),), generator=g).tolist()
@@ -185,18 +186,18 @@ def _turns(pm, toks, n: int, seed: int, K: int = 4):
     scale = M.embed_scale(pm)
     thoughts = [(scale * torch.randn(K, 128, generator=g)).to(torch.bfloat16) for _ in range(n)]
     with torch.no_grad():
-        prompts = [M.prompt_embeddings(pm, p, z, toks) for p, z in zip(prefixes, thoughts)]
+        prompts = [AN.prompt_embeddings(pm, p, z, toks) for p, z in zip(prefixes, thoughts)]
     return prefixes, thoughts, prompts, scale
 
 
 def _trainer_logps(pm, toks, prefixes, thoughts, answers, scale) -> list[list[float]]:
     """The trainer's teacher-forced, post-temperature log-probs of the sampled answers (replay's scoring)."""
-    from engine import model as M
+    from engine import scoring as SC
 
     keep = [i for i, a in enumerate(answers) if a]
     out = [[] for _ in answers]
     with torch.no_grad():
-        lps, _ = M.score_turns(pm, [prefixes[i] for i in keep], [thoughts[i] for i in keep],
+        lps, _ = SC.score_turns(pm, [prefixes[i] for i in keep], [thoughts[i] for i in keep],
                                [answers[i] for i in keep], TEMPERATURE, 0.05, scale, toks)
     for i, lp in zip(keep, lps):
         out[i] = lp.float().tolist()
@@ -265,6 +266,7 @@ def test_logprobs_are_post_temperature(lora, tiny):
     """The reported log-prob is log_softmax(logits / T): the trainer agrees at the sampling temperature, and scoring
     the same tokens at another temperature does not."""
     from engine import model as M
+    from engine import scoring as SC
 
     s, toks = lora.s, tiny.toks
     s.use_adapter(lora.a1)
@@ -276,7 +278,7 @@ def test_logprobs_are_post_temperature(lora, tiny):
 
     def mean_gap(T):
         with torch.no_grad():
-            tr, _ = M.score_turns(lora.pm, prefixes, thoughts, ids, T, 0.05, scale, toks)
+            tr, _ = SC.score_turns(lora.pm, prefixes, thoughts, ids, T, 0.05, scale, toks)
         g = [abs(a - b) for t, l in zip(tr, lps) for a, b in zip(t.tolist(), l)]
         return sum(g) / len(g)
 

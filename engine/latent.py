@@ -1,0 +1,68 @@
+"""The latent loop (trainer model): K thoughts per row, z_k = mu_k + sigma * eps_k, with their log-densities.
+
+thought_step is the one definition of a latent step; the prefix-cached loop (engine/prefix_cache.py) and the
+CUDA-graphed loop (engine/cuda_graphs.py) run it too.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from engine.model import Tokens, _parts, cache_kw, gaussian_logq, left_pad, thought_mean
+
+
+@torch.no_grad()
+def latent_loop(model, prefixes: list[list[int]], K: int, sigma: float, scale: float, toks: Tokens,
+                gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample K thoughts per row.  Returns thoughts (B, K, d) fp32 and their log-densities (B, K) fp32.
+
+    z_k = mu_k + sigma * eps_k, eps from `gen` (drawn as one (B, d) block per step, row order).
+    """
+    from transformers import DynamicCache
+
+    text, _, emb = _parts(model)
+    B = len(prefixes)
+    d = emb.weight.shape[1]
+    dtype, dev = emb.weight.dtype, emb.weight.device
+    if K == 0:
+        return torch.zeros(B, 0, d, device=dev), torch.zeros(B, 0, device=dev)
+    seqs = [emb(torch.tensor(p + [toks.think], device=dev)) for p in prefixes]
+    x, mask, pos = left_pad(seqs)
+    cache = DynamicCache(config=text.config)
+    h = text(inputs_embeds=x, attention_mask=mask, position_ids=pos, **cache_kw(cache), use_cache=True).last_hidden_state[:, -1]
+
+    def feed(z: torch.Tensor) -> torch.Tensor:
+        nonlocal mask, pos
+        mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
+        pos = pos[:, -1:] + 1
+        return text(inputs_embeds=z[:, None].to(dtype), attention_mask=mask, position_ids=pos, **cache_kw(cache),
+                    use_cache=True).last_hidden_state[:, -1]
+
+    return sample_thoughts(h, K, sigma, scale, gen, feed)
+
+
+def thought_step(h: torch.Tensor, eps: torch.Tensor, sigma: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One latent step from the last hidden state h (B, d): mu = g(h), z = mu + sigma * eps, and log q(z). Every
+    latent path runs this one definition: the eager and prefix-cached loops (sample_thoughts) and the CUDA-graphed
+    loop (engine.cuda_graphs.GraphedLatentLoop), so their thoughts agree bit for bit. Returns z (B, d), log q (B,)."""
+    mu = thought_mean(h, scale)
+    z = mu + sigma * eps
+    return z, gaussian_logq(z, mu, sigma)
+
+
+def sample_thoughts(h: torch.Tensor, K: int, sigma: float, scale: float, gen: torch.Generator,
+                    feed: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """K thoughts from h (B, d), the hidden state at <think>: eps drawn from `gen` as one (B, d) block per step in
+    row order; feed(z) runs z through the model (in its dtype) and returns the next h. Returns (B, K, d), (B, K)."""
+    B, d = h.shape
+    zs, lqs = [], []
+    for k in range(K):
+        eps = torch.randn(B, d, generator=gen, device=gen.device).to(h.device)
+        z, lq = thought_step(h, eps, sigma, scale)
+        zs.append(z)
+        lqs.append(lq)
+        if k < K - 1:
+            h = feed(z)
+    return torch.stack(zs, 1), torch.stack(lqs, 1)

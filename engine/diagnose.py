@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from engine import model as M
 from engine import answers as AN
+from engine import model as M
 from engine import scoring as SC
 
 
@@ -146,3 +146,75 @@ def compare_layers(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> di
     return {"layers": len(names), "missing": sorted(set(a) ^ set(b)), "differing": len(differing),
             "first_differing": differing[0] if differing else None, "worst": sorted(
                 differing, key=lambda d: -d["relative"])[:5]}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the sampler roles' isolated paths (engine.runtime.Engine / VllmEngine.diagnostic_paths)
+
+
+def adapter_weight_check(engine_model, adapter_dir: str) -> dict:
+    """Bitwise comparison of an engine's live adapter tensors with the adapter directory on disk."""
+    from artifacts import read_adapter_dir
+
+    _, disk = read_adapter_dir(adapter_dir)
+    live = M.adapter_state(engine_model)
+    differing = sorted(k for k in disk if k not in live or not torch.equal(live[k].float(), disk[k].float()))
+    return {"tensors": len(disk), "differing": len(differing), "examples": differing[:4]}
+
+
+def hf_graph_status(engine) -> dict:
+    """Whether the graphed-vs-eager pair can run for the hf sampler: {"status": "run"} or "skipped" with why."""
+    if engine.device.type != "cuda":
+        return {"status": "skipped", "reason": f"no CUDA: the sampler runs on {engine.device.type}, where the static "
+                                               "decoder runs eagerly and there is no graph to compare"}
+    return {"status": "run", "used_by_run": bool(engine.graphs), "tokens": []}
+
+
+def hf_paths(engine, cases: list[dict], T: float, trainer, fresh, adapter_dir: str) -> dict:
+    """The hf sampler's isolated paths per case: alone, batched, incremental cache, prefix cache cold and as the run
+    left it, a fresh engine (`fresh()` builds it: base from disk, adapter through PEFT), and on CUDA the static
+    decoder graphed and eager (bitwise by contract; the comparison is recorded in "graph"). Also the adapter layers
+    against the trainer's on the first case, and the live adapter tensors against `adapter_dir`."""
+    m, toks = engine.model, engine.toks
+    batched = teacher_forced(m, [c["prefix"] for c in cases], [c["thoughts"] for c in cases],
+                             [c["answer"] for c in cases], T, toks)
+    live_cache = engine.answer_cache(trainer)  # as it is (entries of the failed round)
+    fresh_model = fresh()
+    graph = hf_graph_status(engine)
+    paths = []
+    for i, c in enumerate(cases):
+        p, z, a = c["prefix"], c["thoughts"], c["answer"]
+        one = {"sampler/live-alone": teacher_forced(m, [p], [z], [a], T, toks)[0],
+               "sampler/live-batched": batched[i],
+               "sampler/live-cached": cached_decode(m, p, z, a, T, toks),
+               "sampler/prefix-cache-cold": prefix_cached_decode(m, p, z, a, T, toks, None),
+               "sampler/prefix-cache-live": prefix_cached_decode(m, p, z, a, T, toks, live_cache),
+               "sampler/fresh-alone": teacher_forced(fresh_model, [p], [z], [a], T, toks)[0]}
+        if graph["status"] == "run":
+            g, counts = static_decode(m, p, z, a, T, toks, graphed=True)
+            e, _ = static_decode(m, p, z, a, T, toks, graphed=False)
+            graph["tokens"].append({**c["where"], "bitwise_equal": bool(torch.equal(g, e)),
+                                    "max_abs_diff": float((g - e).abs().max()), "graph_replays": counts.get("replay", 0)})
+            one.update({"sampler/static-graphed": g, "sampler/static-eager": e})
+        paths.append(one)
+    w = cases[0]
+    layers = compare_layers(adapter_layer_outputs(trainer.model, w["prefix"], w["thoughts"], w["answer"], trainer.toks),
+                            adapter_layer_outputs(m, w["prefix"], w["thoughts"], w["answer"], toks))
+    return {"paths": paths, "graph": graph, "layers": layers, "weights": adapter_weight_check(m, adapter_dir)}
+
+
+def vllm_paths(engine, cases: list[dict], T: float, trainer, adapter_dir: str) -> dict:
+    """The vLLM sampler's isolated paths: teacher-forced alone and batched (its internals are not hookable); the
+    adapter check compares versions (vLLM holds the adapter by LoRARequest)."""
+    from artifacts import dir_digest
+
+    batched = engine.teacher_forced([c["prefix"] for c in cases], [c["thoughts"] for c in cases],
+                                    [c["answer"] for c in cases], T, trainer)
+    paths = [{"sampler/live-alone": engine.teacher_forced([c["prefix"]], [c["thoughts"]], [c["answer"]], T, trainer)[0],
+              "sampler/live-batched": batched[i]} for i, c in enumerate(cases)]
+    stale = engine.adapter_digest != dir_digest(adapter_dir)
+    return {"paths": paths,
+            "graph": {"status": "skipped", "reason": "sampler.kind=vllm: its CUDA graphs are inside the engine, not "
+                                                     "hookable (the isolated paths cover it alone / batched)"},
+            "layers": {"layers": 0, "differing": 0, "first_differing": None, "note": "vLLM layers are not compared"},
+            "weights": {"tensors": 1, "differing": int(stale), "examples": ["adapter version"] if stale else []}}

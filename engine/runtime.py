@@ -141,6 +141,13 @@ class Engine:
 
         return D.teacher_forced(self.model, prefixes, thoughts, answers, temperature, self.toks)
 
+    def diagnostic_paths(self, cases: list[dict], temperature: float, trainer: "Engine", fresh, adapter_dir) -> dict:
+        """The failure diagnostic's isolated paths of this sampler (engine.diagnose.hf_paths): per case {path:
+        log-probs}, the graph-vs-eager record, the adapter layers vs the trainer's, the adapter tensors vs disk."""
+        from engine import diagnose as D
+
+        return D.hf_paths(self, cases, temperature, trainer, fresh, adapter_dir)
+
 
 def _prefill_timed(model, prefixes, cache, boundaries, times: dict | None, key: str):
     """engine.prefix_cache.prefill_rows, its device seconds added to times[key] (the step's "prefill" phase)."""
@@ -297,6 +304,12 @@ class VllmEngine:
 
     def teacher_forced(self, prefixes, thoughts, answers, temperature: float, trainer: Engine) -> list:
         return self.vllm.teacher_forced(self._prompts(prefixes, thoughts, trainer), answers, temperature)
+
+    def diagnostic_paths(self, cases: list[dict], temperature: float, trainer: Engine, fresh, adapter_dir) -> dict:
+        """As Engine.diagnostic_paths, for what vLLM exposes (engine.diagnose.vllm_paths); `fresh` is not used."""
+        from engine import diagnose as D
+
+        return D.vllm_paths(self, cases, temperature, trainer, adapter_dir)
 
 
 def sampler(cfg, export_dir: str | Path, tok_dir: str | Path):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from artifacts import RunDir, dir_digest, read_adapter_dir, read_table, to_tensor_list, write_json
+from artifacts import RunDir, dir_digest, read_table, to_tensor_list, write_json
 from stages.context import run_config, timer
 
 TOL = 0.02  # nat: bf16 cached-vs-full decode differs by ~4e-4 here (fp32: ~2e-7); a defect shows far above
@@ -33,16 +33,6 @@ TOL = 0.02  # nat: bf16 cached-vs-full decode differs by ~4e-4 here (fp32: ~2e-7
 
 def _token_lp(lsm: torch.Tensor, answer: list[int], j: int) -> float:
     return float(lsm[j, answer[j]])
-
-
-def adapter_weight_check(engine_model, adapter_dir: str) -> dict:
-    """Bitwise comparison of an engine's live adapter tensors with the adapter directory on disk."""
-    from engine import model as M
-
-    _, disk = read_adapter_dir(adapter_dir)
-    live = M.adapter_state(engine_model)
-    differing = sorted(k for k in disk if k not in live or not torch.equal(live[k].float(), disk[k].float()))
-    return {"tensors": len(disk), "differing": len(differing), "examples": differing[:4]}
 
 
 def _verdict(paths: dict[str, float], weights: dict, layers: dict) -> tuple[list[str], str]:
@@ -81,41 +71,13 @@ def _verdict(paths: dict[str, float], weights: dict, layers: dict) -> tuple[list
     return bad, "paths disagree: " + ", ".join(bad)
 
 
-def graph_vs_eager_status(cfg, sampler) -> dict:
-    """Whether the graphed-vs-eager pair can run here: {"status": "run"} or {"status": "skipped", "reason": ...}."""
-    if cfg.sampler.kind != "hf":
-        return {"status": "skipped", "reason": f"sampler.kind={cfg.sampler.kind}: its CUDA graphs are inside the "
-                                               "engine, not hookable (the isolated paths cover it alone / batched)"}
-    if sampler.device.type != "cuda":
-        return {"status": "skipped", "reason": f"no CUDA: the sampler runs on {sampler.device.type}, where the static "
-                                               "decoder runs eagerly and there is no graph to compare"}
-    return {"status": "run", "used_by_run": bool(sampler.graphs), "tokens": []}
-
-
-def _graph_paths(graph: dict, sampler, T: float, case: dict) -> dict[str, float]:
-    """sampler/static-graphed and sampler/static-eager for one case; records their bitwise comparison in graph."""
-    from engine import diagnose as D
-
-    if graph["status"] != "run":
-        return {}
-    p, z, a, j = case["prefix"], case["thoughts"], case["answer"], case["token"]
-    g, counts = D.static_decode(sampler.model, p, z, a, T, sampler.toks, graphed=True)
-    e, _ = D.static_decode(sampler.model, p, z, a, T, sampler.toks, graphed=False)
-    graph["tokens"].append({**case["where"], "bitwise_equal": bool(torch.equal(g, e)),
-                            "max_abs_diff": float((g - e).abs().max()), "graph_replays": counts.get("replay", 0)})
-    return {"sampler/static-graphed": _token_lp(g, a, j), "sampler/static-eager": _token_lp(e, a, j)}
-
-
-def _analyse(cfg, trainer, sampler, fresh_t, fresh_s, cases: list[dict], gate_values: list[tuple[float, float]]):
+def _analyse(cfg, trainer, sampler, fresh_t, fresh_sampler, cases: list[dict], gate_values, adapter_in: str):
+    """Every isolated path per case: the trainer's (fresh engine, live alone, the gate's value) here, the sampler's
+    from its role (engine.runtime: hf or vLLM, whichever paths it can expose)."""
     from engine import diagnose as D
 
     T = cfg.sampler.temperature
-    prefixes = [c["prefix"] for c in cases]
-    thoughts = [c["thoughts"] for c in cases]
-    answers = [c["answer"] for c in cases]
-    batched = D.teacher_forced(sampler.model, prefixes, thoughts, answers, T, sampler.toks)
-    live_cache = sampler.answer_cache(trainer)  # as it is (entries of the failed round)
-    graph = graph_vs_eager_status(cfg, sampler)
+    sp = sampler.diagnostic_paths(cases, T, trainer, fresh_sampler, adapter_in)
     tokens = []
     for i, c in enumerate(cases):
         p, z, a, j = c["prefix"], c["thoughts"], c["answer"], c["token"]
@@ -124,45 +86,10 @@ def _analyse(cfg, trainer, sampler, fresh_t, fresh_s, cases: list[dict], gate_va
             "trainer/gate": gate_values[i][0],
             "trainer/live-alone": _token_lp(D.teacher_forced(trainer.model, [p], [z], [a], T, trainer.toks)[0], a, j),
             "sampler/rollout": gate_values[i][1],
-            "sampler/live-alone": _token_lp(D.teacher_forced(sampler.model, [p], [z], [a], T, sampler.toks)[0], a, j),
-            "sampler/live-batched": _token_lp(batched[i], a, j),
-            "sampler/live-cached": _token_lp(D.cached_decode(sampler.model, p, z, a, T, sampler.toks), a, j),
-            "sampler/prefix-cache-cold": _token_lp(D.prefix_cached_decode(sampler.model, p, z, a, T, sampler.toks,
-                                                                           None), a, j),
-            "sampler/prefix-cache-live": _token_lp(D.prefix_cached_decode(sampler.model, p, z, a, T, sampler.toks,
-                                                                           live_cache), a, j),
-            "sampler/fresh-alone": _token_lp(D.teacher_forced(fresh_s, [p], [z], [a], T, sampler.toks)[0], a, j),
-            **_graph_paths(graph, sampler, T, c),
+            **{name: _token_lp(lp, a, j) for name, lp in sp["paths"][i].items()},
         }
         tokens.append({**c["where"], "token_id": a[j], "paths": paths})
-    w = cases[0]
-    layers = D.compare_layers(D.adapter_layer_outputs(trainer.model, w["prefix"], w["thoughts"], w["answer"], trainer.toks),
-                              D.adapter_layer_outputs(sampler.model, w["prefix"], w["thoughts"], w["answer"], sampler.toks))
-    return tokens, layers, graph
-
-
-def _analyse_vllm(cfg, trainer, sampler, fresh_t, cases, gate_values):
-    """The vLLM sampler's isolated paths: teacher-forced alone and batched (its internals are not hookable)."""
-    from engine import diagnose as D
-
-    T = cfg.sampler.temperature
-    batched = sampler.teacher_forced([c["prefix"] for c in cases], [c["thoughts"] for c in cases],
-                                     [c["answer"] for c in cases], T, trainer)
-    tokens = []
-    for i, c in enumerate(cases):
-        p, z, a, j = c["prefix"], c["thoughts"], c["answer"], c["token"]
-        alone = sampler.teacher_forced([p], [z], [a], T, trainer)[0]
-        paths = {
-            "trainer/fresh": _token_lp(D.teacher_forced(fresh_t, [p], [z], [a], T, trainer.toks)[0], a, j),
-            "trainer/gate": gate_values[i][0],
-            "trainer/live-alone": _token_lp(D.teacher_forced(trainer.model, [p], [z], [a], T, trainer.toks)[0], a, j),
-            "sampler/rollout": gate_values[i][1],
-            "sampler/live-alone": _token_lp(alone, a, j),
-            "sampler/live-batched": _token_lp(batched[i], a, j),
-        }
-        tokens.append({**c["where"], "token_id": a[j], "paths": paths})
-    layers = {"layers": 0, "differing": 0, "first_differing": None, "note": "vLLM layers are not compared"}
-    return tokens, layers, graph_vs_eager_status(cfg, sampler)
+    return tokens, sp["layers"], sp["graph"], sp["weights"]
 
 
 def diagnose(run_dir: str, step: int, gate: str, report: dict, adapter_in: str, base_in: str,
@@ -204,16 +131,11 @@ def diagnose(run_dir: str, step: int, gate: str, report: dict, adapter_in: str, 
         # engines built as a new process would (device, NF4, attention), adapter through PEFT's own loader
         fresh_t = runtime.build(cfg, base_in, base_in, quantization=cfg.model.quantization, adapter_dir=adapter_in,
                                 via_peft=True).model
-        step_digest = dir_digest(adapter_in)
-        if cfg.sampler.kind == "vllm":
-            tokens, layers, graph = _analyse_vllm(cfg, trainer, sampler, fresh_t, cases, gate_values)
-            stale = sampler.adapter_digest != step_digest
-            weights = {"tensors": 1, "differing": int(stale), "examples": ["adapter version"] if stale else []}
-        else:
-            fresh_s = runtime.build(cfg, export, base_in, adapter_dir=adapter_in, via_peft=True).model
-            tokens, layers, graph = _analyse(cfg, trainer, sampler, fresh_t, fresh_s, cases, gate_values)
-            weights = adapter_weight_check(sampler.model, adapter_in)
-        weights.update(engine_digest=sampler.adapter_digest, step_digest=step_digest)
+        tokens, layers, graph, weights = _analyse(
+            cfg, trainer, sampler, fresh_t,
+            lambda: runtime.build(cfg, export, base_in, adapter_dir=adapter_in, via_peft=True).model,
+            cases, gate_values, adapter_in)
+        weights.update(engine_digest=sampler.adapter_digest, step_digest=dir_digest(adapter_in))
         guilty: set[str] = set()
         verdicts = []
         for tk in tokens:

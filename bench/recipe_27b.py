@@ -83,11 +83,23 @@ def with_adapter(model, adapter_cfg, seed: int):
 
 
 def weight_bytes(model) -> int:
-    """Bytes one decode step reads: every parameter except the input embedding table (B rows of it)."""
-    from engine import nf4
+    """Bytes one decode step reads: NF4 codes + absmax (+ nested stats) of the quantized layers, and every other
+    parameter except the input embedding table (only B rows of it are read per step), adapters included."""
+    from engine.nf4 import _base, _is_linear4bit
 
-    rep = nf4.nf4_weight_bytes(model)
-    return rep["total_bytes"]
+    base = _base(model)
+    total = 0
+    emb = base.model.embed_tokens.weight
+    for _, mod in base.named_modules():
+        if _is_linear4bit(mod):
+            qs = mod.weight.quant_state
+            total += mod.weight.data.numel() * mod.weight.data.element_size()
+            total += qs.absmax.numel() * qs.absmax.element_size()
+            if getattr(qs, "state2", None) is not None:
+                total += qs.state2.absmax.numel() * qs.state2.absmax.element_size()
+            continue
+        total += sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False) if p is not emb)
+    return total
 
 
 # ----------------------------------------------------------------------------------------------------------------

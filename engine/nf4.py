@@ -147,30 +147,6 @@ def dequantized_bf16_state(model, dtype=torch.bfloat16, device=None) -> dict[str
     return {k: (v if device is None else v.to(device)).contiguous() for k, v in iter_bf16_state(model, dtype)}
 
 
-def nf4_weight_bytes(model) -> dict:
-    """Bytes a forward reads: NF4 codes + absmax (+ nested stats) of the quantized layers, and every other tensor
-    except the input embedding table (only B rows of it are read per step); adapters counted separately."""
-    base = _base(model)
-    q = other = adapter = 0
-    emb = base.model.embed_tokens.weight
-    for mname, mod in base.named_modules():
-        if _is_linear4bit(mod):
-            qs = mod.weight.quant_state
-            q += mod.weight.data.numel() * mod.weight.data.element_size()
-            q += qs.absmax.numel() * qs.absmax.element_size()
-            if getattr(qs, "state2", None) is not None:
-                q += qs.state2.absmax.numel() * qs.state2.absmax.element_size()
-            continue
-        for pname, p in mod.named_parameters(recurse=False):
-            if p is emb:
-                continue
-            if "lora_" in mname or "lora_" in pname:
-                adapter += p.numel() * p.element_size()
-            else:
-                other += p.numel() * p.element_size()
-    return {"nf4_bytes": q, "dense_bytes": other, "adapter_bytes": adapter, "total_bytes": q + other + adapter}
-
-
 def write_bf16_export(model, out_dir: str | Path, shard_bytes: int = 5 * 2**30) -> dict:
     """Write the sampler's BF16 checkpoint, streaming (one shard in host memory at a time): sharded safetensors +
     index + config.json, loadable with Qwen3_5ForCausalLM.from_pretrained. Returns {"tensors", "bytes", "files"}."""

@@ -35,17 +35,12 @@ PEAK_FLOPS = 989e12
 PAD, EOS, THINK, ANSWER_OPEN = 0, 1, 2, 3
 
 
-class Eng:
-    def __init__(self, model):
-        from engine import model as M
+def Eng(model):
+    """The trainer role (engine.runtime.Engine) around the bench's model."""
+    from engine import model as M
+    from engine.runtime import Engine
 
-        self.model, self.toks, self.scale = model, M.Tokens(PAD, EOS, THINK, ANSWER_OPEN), M.embed_scale(model)
-
-    @property
-    def device(self):
-        from engine import model as M
-
-        return M._parts(self.model)[2].weight.device
+    return Engine(model=model, toks=M.Tokens(PAD, EOS, THINK, ANSWER_OPEN), scale=M.embed_scale(model))
 
 
 def make_turns(lengths_prefix: list[int], K: int, L: int, d: int, vocab: int, scale: float, seed: int):

@@ -1,4 +1,5 @@
-"""The latent loop (trainer model): K thoughts per row, z_k = mu_k + sigma * eps_k, with their log-densities.
+"""The latent loop (trainer model): K thoughts per row, z_k = mu_k + sigma * eps_k, with their log-densities; the
+thought mean mu = g(h) and the density log q (replay scoring uses them too).
 
 thought_step is the one definition of a latent step; the prefix-cached loop (engine/prefix_cache.py) and the
 CUDA-graphed loop (engine/cuda_graphs.py) run it too.
@@ -6,11 +7,25 @@ CUDA-graphed loop (engine/cuda_graphs.py) run it too.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
 
-from engine.model import Tokens, _parts, cache_kw, gaussian_logq, left_pad, thought_mean
+from engine.model import Tokens, _parts, cache_kw, left_pad
+
+
+def thought_mean(h: torch.Tensor, scale: float) -> torch.Tensor:
+    """mu = g(h): the post-norm last hidden state rescaled to the embedding table's RMS.  (..., d) fp32."""
+    h = h.float()
+    return scale * h / h.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
+
+
+def gaussian_logq(z: torch.Tensor, mu: torch.Tensor, sigma: float) -> torch.Tensor:
+    """log N(z; mu, sigma^2 I), summed over the last dim (fp32)."""
+    d = z.shape[-1]
+    sq = (z.float() - mu.float()).pow(2).sum(-1)
+    return -0.5 * sq / sigma**2 - d * math.log(sigma) - 0.5 * d * math.log(2 * math.pi)
 
 
 @torch.no_grad()

@@ -1,5 +1,5 @@
 """The model: the hybrid base (built, loaded, NF4 elsewhere), the adapter with FP32 masters, and what every run of
-it shares (batching, tokens, the thought mean and density). What runs the model lives beside it:
+it shares (batching, tokens, the embedding scale). What runs the model lives beside it:
 engine/latent.py (the latent loop), engine/answers.py (the hf sampler's answers), engine/scoring.py (replay scoring).
 
 Shapes: B rows, P prefix tokens, K thoughts, L answer tokens, d hidden size.
@@ -8,7 +8,6 @@ Shapes: B rows, P prefix tokens, K thoughts, L answer tokens, d hidden size.
 from __future__ import annotations
 
 import inspect
-import math
 from functools import lru_cache
 from dataclasses import dataclass
 from pathlib import Path
@@ -269,16 +268,3 @@ def embed_scale(model) -> float:
     """RMS of the embedding table: the scale latent thoughts are mapped to (mu = g(h))."""
     _, _, emb = _parts(model)
     return float(emb.weight.detach().float().pow(2).mean().sqrt())
-
-
-def thought_mean(h: torch.Tensor, scale: float) -> torch.Tensor:
-    """mu = g(h): the post-norm last hidden state rescaled to the embedding table's RMS.  (..., d) fp32."""
-    h = h.float()
-    return scale * h / h.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
-
-
-def gaussian_logq(z: torch.Tensor, mu: torch.Tensor, sigma: float) -> torch.Tensor:
-    """log N(z; mu, sigma^2 I), summed over the last dim (fp32)."""
-    d = z.shape[-1]
-    sq = (z.float() - mu.float()).pow(2).sum(-1)
-    return -0.5 * sq / sigma**2 - d * math.log(sigma) - 0.5 * d * math.log(2 * math.pi)

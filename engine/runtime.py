@@ -106,6 +106,15 @@ class Engine:
                                              self.prefix_cache, boundaries)
             return LT.latent_loop(self.model, prefixes, K, sigma, self.scale, self.toks, gen)
 
+    # -- the trainer role: replay scores ---------------------------------------------------------------------------
+    def score(self, turns, idx: list[int], temperature: float, sigma: float, tier: str = "keep", rc=None):
+        """Replay scores of turns `idx` under the adapter this engine holds: per-turn answer log-probs [(L,)] and
+        thought log-densities (n, K), in the replay tier's memory mode (engine.replay.score_microbatch: keep the
+        autograd graph, checkpoint, or score now and re-forward later for the two-pass tier)."""
+        from engine.replay import score_microbatch
+
+        return score_microbatch(self, turns, idx, temperature, sigma, tier, rc)
+
     # -- the sampler role: answers and teacher-forced scores --------------------------------------------------------
     def answer_cache(self, trainer: "Engine"):
         """The prefix cache this sampler prefills through. It computes exactly what the trainer computes for a token

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.model import Tokens, _parts, gaussian_logq, left_pad, thought_mean
+from engine.latent import gaussian_logq, thought_mean
+from engine.model import Tokens, _parts, left_pad
 
 
 def turn_hidden(model, prefixes: list[list[int]], thoughts: list[torch.Tensor], answers: list[list[int]],

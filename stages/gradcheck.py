@@ -17,7 +17,7 @@ import copy
 import torch
 
 from engine import model as M
-from engine.replay import plan_replay, score_microbatch, to_sequences
+from engine.replay import plan_replay, to_sequences
 from stages.optimize import LossInputs, accumulate_gradients, driver_weights
 
 REL_L2_MAX = 0.002  # the gradient-equivalence gate (docs/architecture.md); never moved
@@ -44,7 +44,7 @@ def pipeline_gradients(cfg, engine, li: LossInputs, costs=None, budget: float | 
     plan = plan_replay(li.turns.lengths(), cfg.replay, costs, 0.0, budget)
     for idx, tier in zip(plan.microbatches, plan.tiers):
         with torch.set_grad_enabled(tier != "two_pass"):
-            a, q = score_microbatch(engine, li.turns, idx, cfg.sampler.temperature, li.sigma, tier, cfg.replay)
+            a, q = engine.score(li.turns, idx, cfg.sampler.temperature, li.sigma, tier, cfg.replay)
         live.append((idx, a, q) if tier != "two_pass" else None)
         for n, i in enumerate(idx):
             lp_turn[i] = torch.cat([q[n].detach().float(), a[n].detach().float()])
@@ -60,7 +60,7 @@ def reference_gradients(cfg, engine, li: LossInputs) -> dict[str, torch.Tensor]:
     _zero(engine.model)
     c = cfg.grpo.thought_loss_weight
     with torch.enable_grad():
-        a, q = score_microbatch(engine, li.turns, list(range(len(li.rows))), cfg.sampler.temperature, li.sigma)
+        a, q = engine.score(li.turns, list(range(len(li.rows))), cfg.sampler.temperature, li.sigma)
         per_turn = []
         for n in range(len(li.rows)):
             thought = c * q[n] + (1 - c) * q[n].detach()  # value unchanged, gradient scaled by c

@@ -19,7 +19,7 @@ from artifacts.tables import table_meta
 from engine import gates
 from engine import model as M
 from engine.loss import grpo_loss, importance_sampling_ratio, token_weights
-from engine.replay import from_sequences, score_microbatch, to_sequences
+from engine.replay import from_sequences, to_sequences
 from stages.context import run_config, timer
 from stages.replay import live_key, load_turns
 
@@ -159,7 +159,7 @@ def accumulate_gradients(cfg, engine, li: LossInputs, w_thought, w_answer, live=
             _, a, q = entry
         else:
             with torch.enable_grad():
-                a, q = score_microbatch(engine, li.turns, idx, cfg.sampler.temperature, li.sigma, tier, cfg.replay)
+                a, q = engine.score(li.turns, idx, cfg.sampler.temperature, li.sigma, tier, cfg.replay)
             _check_bitwise(step, idx, a, q, li.lp_turn)
         dev = a[0].device if a else torch.device("cpu")
         obj = sum((w_answer[i].to(dev) * a[n]).sum() + (w_thought[i].to(dev) * q[n]).sum()

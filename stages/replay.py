@@ -18,7 +18,7 @@ import torch
 from artifacts import RunDir, append_jsonl, read_table, to_tensor_list, verify, write_json
 from artifacts.tables import table_meta, write_replay
 from engine import gates
-from engine.replay import Turns, plan_for, score_microbatch
+from engine.replay import Turns, plan_for
 from stages import faults
 from stages.context import run_config, timer
 
@@ -60,7 +60,7 @@ def replay(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: 
         for idx, tier in zip(mbs, plan.tiers):
             # two-pass micro-batches keep no graph: optimize re-forwards them (and checks them bit for bit)
             with torch.set_grad_enabled(keep_graph and tier != "two_pass"):
-                a, q = score_microbatch(engine, turns, idx, cfg.sampler.temperature, sigma, tier, cfg.replay)
+                a, q = engine.score(turns, idx, cfg.sampler.temperature, sigma, tier, cfg.replay)
             live.append((idx, a, q) if keep_graph and tier != "two_pass" else None)
             faults.maybe_kill("replay", step)
             for j, i in enumerate(idx):

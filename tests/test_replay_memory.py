@@ -48,13 +48,11 @@ def _turns(n: int = 5, seed: int = 1):
     return Turns(prefixes, thoughts, answers, list(range(n)))
 
 
-class _Eng:
-    def __init__(self, model):
-        self.model, self.toks, self.scale = model, TOKS, M.embed_scale(model)
+def _Eng(model):
+    """The trainer role (engine.runtime.Engine) around a test model."""
+    from engine.runtime import Engine
 
-    @property
-    def device(self):
-        return torch.device("cpu")
+    return Engine(model=model, toks=TOKS, scale=M.embed_scale(model))
 
 
 def _grads(model) -> dict[str, torch.Tensor]:

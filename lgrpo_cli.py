@@ -92,9 +92,6 @@ def summary_tables(summary: dict):
 
 
 def cmd_train(args) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from configs.schema import ConfigError, load_config
 
     overrides = _parse_set(args.set)
@@ -111,9 +108,19 @@ def cmd_train(args) -> int:
         raise ConfigError(str(e)) from None
     from transformers.utils import logging as hf_logging
 
-    from flows.train import train
+    from flows.api_server import api_server
 
     hf_logging.disable_progress_bar()
+    with api_server():  # the run's Prefect API: a child that dies with this process (or the user's own server)
+        return _train(args, cfg, overrides)
+
+
+def _train(args, cfg, overrides) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from flows.train import train
+
     console = Console()
     run_dir = Path(cfg.run_dir)
     stop = threading.Event()
@@ -152,9 +159,12 @@ def cmd_train(args) -> int:
 
 
 def cmd_rerun(args) -> int:
-    from flows.rerun import rerun_stage
+    from flows.api_server import api_server
 
-    res = rerun_stage(run_dir=args.run_dir, step=args.step, stage=args.stage)
+    with api_server():
+        from flows.rerun import rerun_stage
+
+        res = rerun_stage(run_dir=args.run_dir, step=args.step, stage=args.stage)
     print(json.dumps(res, indent=2, default=str))
     return 0
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gyms.server import MAX_BODY_BYTES, REPO_ROOT, FaultConfig
+from gyms.server import MAX_BODY_BYTES, REPO_ROOT, SCRATCH_PREFIX, FaultConfig
 
 
 def _tail(path: Path, n: int = 4000) -> str:
@@ -102,7 +102,7 @@ def start_tool_server(tools: str, options: dict[str, Any] | None = None, *, faul
     process does. A child that dies or does not listen within ``ready_timeout_s`` raises RuntimeError with the
     tail of its log.
     """
-    workdir = Path(tempfile.mkdtemp(prefix="gym-tool-server-"))
+    workdir = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX))
     port_file = workdir / "port"
     log = Path(log_path) if log_path is not None else workdir / "server.log"
     cmd = [sys.executable, "-m", "gyms.server", "--tools", tools, "--options", json.dumps(options or {}),

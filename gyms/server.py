@@ -66,6 +66,7 @@ FAULTABLE_PATHS = ("/v1/call", "/v1/seal")
 MAX_BODY_BYTES = 1 << 20
 _DRAIN_LIMIT = 16 << 20  # an oversized body is read and dropped up to this size so the 400 reaches the client
 REPO_ROOT = Path(__file__).resolve().parents[1]
+SCRATCH_PREFIX = "gym-tool-server-"  # the launcher's scratch folder of one server (gyms/launcher.py)
 
 
 def _reject_constant(name: str) -> Any:
@@ -621,12 +622,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         _atomic_write_text(Path(args.port_file), f"{server.port}\n")
     print(f"gyms.server: serving {', '.join(service.tools)} on {server.url} (pid {os.getpid()}, faults "
           f"{faults.to_dict() if faults else 'off'})", file=sys.stderr, flush=True)
+    orphaned = False
     while not done.wait(0.5):
         if args.parent_pid is not None and os.getppid() != args.parent_pid:
             print(f"gyms.server: parent {args.parent_pid} is gone; stopping", file=sys.stderr, flush=True)
+            orphaned = True
             break
     server.stop()
     print("gyms.server: stopped", file=sys.stderr, flush=True)
+    if orphaned and args.port_file and Path(args.port_file).parent.name.startswith(SCRATCH_PREFIX):
+        import shutil  # the launcher's scratch folder (port file, default log): nobody else is left to remove it
+
+        shutil.rmtree(Path(args.port_file).parent, ignore_errors=True)
     return 0
 
 

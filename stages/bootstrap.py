@@ -15,6 +15,7 @@ from pathlib import Path
 from artifacts import RunDir, dir_digest, seal_dir, sha256_file, write_json
 from configs.schema import GymConfig, RunConfig, config_hash
 from engine.chat import first_prompt, observation_block
+from stages import faults
 from stages.context import env_factory, run_config, timer
 
 
@@ -173,6 +174,7 @@ def _supervised(cfg, model, tok, toks) -> list[float]:
             for b in batches[r:r + ROUND]:
                 losses.append(_sft_update(model, opt, sched, [examples[i] for i in b], [thought[i] for i in b],
                                           sigma, scale, toks))
+            faults.maybe_kill("bootstrap", 0)
     model.eval()
     return losses
 

@@ -19,8 +19,8 @@ ROOT = Path(__file__).parents[1]
 
 
 def _lgrpo(args: list[str], env: dict, logs: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run the CLI in its own session; output goes to files (the ephemeral Prefect server it starts inherits
-    the descriptors, so pipes would stay open after a SIGKILL of the CLI)."""
+    """Run the CLI in its own session; output goes to files. Whatever happens, the session is reaped at the end
+    (the run's own servers die with it: tests/test_no_orphans.py)."""
     logs.mkdir(parents=True, exist_ok=True)
     out, err = logs / "stdout", logs / "stderr"
     with out.open("w") as fo, err.open("w") as fe:
@@ -29,7 +29,7 @@ def _lgrpo(args: list[str], env: dict, logs: Path, timeout: int = 600) -> subpro
         try:
             p.wait(timeout=timeout)
         finally:
-            try:  # reap the whole session: a killed CLI leaves its ephemeral Prefect server behind
+            try:  # reap the whole session, whatever a failure left
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass

@@ -1,0 +1,164 @@
+"""The Prefect API server of one CLI run, as a child that dies with it.
+
+When PREFECT_API_URL is unset, Prefect starts a temporary API server for the process (`SubprocessASGIServer`) that
+outlives a SIGKILLed parent (one ~200 MB orphan per killed run). `lgrpo train` / `lgrpo rerun` instead start the
+same app (Prefect's `create_app`, UI off, as the temporary server runs it) here, in a child that
+
+* asks the kernel for a signal when its parent dies (Linux PR_SET_PDEATHSIG), and also watches its parent pid
+  (any POSIX), so it stops, and removes its scratch folder, whatever kills the run;
+* binds a free port itself (no collision with a leftover of an older run) and reports it through a file;
+
+and point PREFECT_API_URL at it for the run. A user's own server (PREFECT_API_URL set) is used as it is.
+
+    python -m flows.api_server --parent-pid PID --port-file PATH
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+
+
+def _die_with_parent(parent_pid: int, on_gone) -> None:
+    """on_gone() runs once the parent is gone: at once on Linux (the kernel sends SIGUSR1 at the parent's death),
+    else within 0.5 s (a watch on the parent pid); 5 s later the process exits whatever the app is doing."""
+    fired = threading.Event()
+
+    def fire(*_) -> None:
+        if not fired.is_set():
+            fired.set()
+            on_gone()
+
+    signal.signal(signal.SIGUSR1, fire)  # not SIGTERM: uvicorn re-raises that one after its shutdown, skipping ours
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGUSR1)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid and not fired.is_set():
+            time.sleep(0.5)
+        if not fired.is_set():
+            os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs in the main thread
+        time.sleep(5)
+        os._exit(0)  # the app did not stop in time
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def serve(parent_pid: int, port_file: Path) -> int:
+    import socket
+
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config("prefect.server.api.server:create_app", factory=True, host="127.0.0.1", port=port,
+                            log_level="error", lifespan="on")
+    server = uvicorn.Server(config)
+
+    def gone() -> None:
+        print(f"flows.api_server: parent {parent_pid} is gone; stopping", file=sys.stderr, flush=True)
+        _forget(port_file)  # nobody else is left to remove the scratch folder
+        server.should_exit = True
+
+    _die_with_parent(parent_pid, gone)
+    tmp = port_file.with_name(port_file.name + ".tmp")
+    tmp.write_text(str(port))
+    tmp.replace(port_file)
+    server.run(sockets=[sock])
+    return 0
+
+
+def _forget(port_file: Path) -> None:
+    import shutil
+
+    shutil.rmtree(port_file.parent, ignore_errors=True)
+
+
+@contextmanager
+def api_server(timeout_s: float | None = None):
+    """PREFECT_API_URL for the duration of a CLI command: the user's, or a child server started here (stopped at
+    the end, and dead with this process whatever ends it). Yields the URL."""
+    if os.environ.get("PREFECT_API_URL"):
+        yield os.environ["PREFECT_API_URL"]
+        return
+    import tempfile
+
+    timeout_s = timeout_s or float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180"))
+    work = Path(tempfile.mkdtemp(prefix="lgrpo-prefect-api-"))
+    port_file, log = work / "port", work / "server.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.api_server", "--parent-pid", str(os.getpid()),
+                                 "--port-file", str(port_file)], cwd=Path(__file__).resolve().parents[1],
+                                env={**os.environ, **SERVER_ENV}, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        url = _wait_ready(proc, port_file, log, timeout_s)
+        os.environ["PREFECT_API_URL"] = url  # before prefect's first import in this process, and for children
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings(updates={PREFECT_API_URL: url}):  # if prefect was imported already
+            yield url
+    finally:
+        os.environ.pop("PREFECT_API_URL", None)
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _wait_ready(proc: subprocess.Popen, port_file: Path, log: Path, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        if port_file.exists():
+            url = f"http://127.0.0.1:{port_file.read_text().strip()}/api"
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return url
+            except OSError:
+                pass
+        time.sleep(0.2)
+    code = proc.poll()
+    if code is None:
+        proc.kill()
+        proc.wait()
+    tail = log.read_bytes()[-3000:].decode("utf-8", "replace") if log.exists() else ""
+    why = f"exited with code {code}" if code is not None else f"did not answer within {timeout_s:g} s"
+    raise RuntimeError(f"the run's Prefect API server {why} (log {log}):\n{tail}\nRaise "
+                       "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS on a slow machine, or point PREFECT_API_URL "
+                       "at a running server (prefect server start)")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flows.api_server", description=__doc__.split("\n\n")[0])
+    p.add_argument("--parent-pid", type=int, required=True)
+    p.add_argument("--port-file", type=Path, required=True)
+    a = p.parse_args(argv)
+    return serve(a.parent_pid, a.port_file)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,6 @@
-"""Crash injection for recovery tests: `LGRPO_KILL_AT=<stage>:<step>` SIGKILLs this process inside that stage.
+"""Crash injection for recovery tests: `LGRPO_KILL_AT=<stage>:<step>` SIGKILLs this process inside that stage;
+`<stage>:<step>:TERM` (or `:INT`) sends SIGTERM (SIGINT) instead, as `kill` or Ctrl-C would, after writing the time
+to the file LGRPO_KILL_MARK names (when set), so a test can time the exit.
 
 Unset in normal runs (the check is one environment lookup). Used by tests/test_rerun.py to prove that a run
 killed mid-stage resumes from its artifacts with the same result as an uninterrupted run, and by
@@ -12,6 +14,20 @@ import os
 import signal
 
 
+SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT}
+
+
 def maybe_kill(stage: str, step: int) -> None:
-    if os.environ.get("LGRPO_KILL_AT") == f"{stage}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
+    spec = os.environ.get("LGRPO_KILL_AT")
+    if not spec or not spec.startswith(f"{stage}:{step}"):
+        return
+    rest = spec[len(f"{stage}:{step}"):]
+    if rest not in ("", ":KILL", ":TERM", ":INT"):
+        return
+    mark = os.environ.get("LGRPO_KILL_MARK")
+    if mark:
+        import time
+
+        with open(mark, "w") as f:
+            f.write(repr(time.time()))
+    os.kill(os.getpid(), SIGNALS[rest[1:] or "KILL"])

@@ -1,7 +1,12 @@
-"""A SIGKILLed run leaves no process behind: the run's Prefect API server (flows/api_server.py) and the tool server
-(gyms/server.py) die with the CLI, whichever phase it was killed in (the bootstrap; a step's replay), and their
-scratch folders go with them. Processes are found by session: the CLI runs in a session of its own, so every
-process it started carries its session id."""
+"""A killed run leaves nothing behind, and a stopped run stops promptly.
+
+* SIGKILL: the run's Prefect API server (flows/api_server.py) and the tool server (gyms/server.py) die with the CLI,
+  whichever phase it was killed in (the bootstrap; a step's replay), and their scratch folders go with them.
+* SIGTERM (as `kill` or a scheduler sends it) in the bootstrap or in replay: the CLI exits within 10 s, nothing of
+  it stays alive, and the same command then resumes the run to a result bit-identical to an uninterrupted run.
+
+Processes are found by session: the CLI runs in a session of its own, so every process it started carries its
+session id. The signals are sent from inside the phase (stages/faults.py: LGRPO_KILL_AT), so they hit it for sure."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import SMALL
 
@@ -35,30 +41,70 @@ def _session_members(sid: int) -> list[tuple[int, str]]:
     return out
 
 
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc (Linux) to list a session")
-@pytest.mark.parametrize("kill_at", ["bootstrap:0", "replay:1"])
-def test_a_killed_run_leaves_no_process_behind(tmp_path, kill_at):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180", LGRPO_KILL_AT=kill_at,
-               TMPDIR=str(tmp_path / "tmp"))
-    (tmp_path / "tmp").mkdir()
-    sets = [a for k, v in {**SMALL, "steps.pattern": "[fresh]"}.items() for a in ("--set", f"{k}={v}")]
-    with open(tmp_path / "out", "w") as out:
-        p = subprocess.Popen([sys.executable, "-m", "lgrpo_cli", "train", "--run-dir", str(tmp_path / "run"),
-                              "--steps", "2", *sets], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                             start_new_session=True)
+SETS = [a for k, v in {**SMALL, "steps.pattern": "[fresh]"}.items() for a in ("--set", f"{k}={v}")]
+needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc (Linux) to list a session")
+
+
+def _env(d: Path, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "LGRPO_KILL"))}
+    (d / "tmp").mkdir(exist_ok=True)
+    env.update(PREFECT_HOME=str(d / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180", TMPDIR=str(d / "tmp"), **extra)
+    return env
+
+
+def _train(run: Path, env: dict, log: Path, check_left: Path | None = None) -> int:
+    """`lgrpo train` of the small run in a session of its own; with check_left (its TMPDIR), assert that nothing
+    of it is alive 10 s after it ended and that no server scratch folder is left there."""
+    with open(log, "w") as out:
+        p = subprocess.Popen([sys.executable, "-m", "lgrpo_cli", "train", "--run-dir", str(run), "--steps", "2",
+                              *SETS], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        assert p.wait(timeout=600) == -signal.SIGKILL, (tmp_path / "out").read_text()[-3000:]
-        deadline = time.monotonic() + 10
-        while _session_members(p.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = _session_members(p.pid)
-        assert not left, f"processes of the killed run still alive 10 s later: {left}"
-        left = [p.name for pat in ("lgrpo-prefect-api-*", "gym-tool-server-*") for p in (tmp_path / "tmp").glob(pat)]
-        assert not left, f"scratch folders of the run's servers are left: {left}"
+        rc = p.wait(timeout=600)
+        if check_left is not None:
+            deadline = time.monotonic() + 10
+            while _session_members(p.pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            left = _session_members(p.pid)
+            assert not left, f"processes of the run still alive 10 s after it ended: {left}"
+            left = [f.name for pat in ("lgrpo-prefect-api-*", "gym-tool-server-*") for f in check_left.glob(pat)]
+            assert not left, f"scratch folders of the run's servers are left: {left}"
+        return rc
     finally:
         try:
             os.killpg(p.pid, signal.SIGKILL)  # never leak into the rest of the suite
         except ProcessLookupError:
             pass
+
+
+@needs_proc
+@pytest.mark.parametrize("kill_at", ["bootstrap:0", "replay:1"])
+def test_a_killed_run_leaves_no_process_behind(tmp_path, kill_at):
+    rc = _train(tmp_path / "run", _env(tmp_path, LGRPO_KILL_AT=kill_at), tmp_path / "out", check_left=tmp_path / "tmp")
+    assert rc == -signal.SIGKILL, (tmp_path / "out").read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    d = tmp_path_factory.mktemp("uninterrupted")
+    rc = _train(d / "run", _env(d), d / "out")
+    assert rc == 0, (d / "out").read_text()[-3000:]
+    return d / "run"
+
+
+@needs_proc
+@pytest.mark.parametrize("stop_at", ["bootstrap:0:TERM", "replay:1:TERM"])
+def test_sigterm_stops_within_seconds_and_the_same_command_resumes_bit_identically(tmp_path, uninterrupted, stop_at):
+    from artifacts import read_tensors
+
+    mark = tmp_path / "signal-sent"
+    rc = _train(tmp_path / "run", _env(tmp_path, LGRPO_KILL_AT=stop_at, LGRPO_KILL_MARK=str(mark)), tmp_path / "out",
+                check_left=tmp_path / "tmp")
+    took = time.time() - float(mark.read_text())
+    assert rc != 0, "the run finished although it was stopped"
+    assert took <= 10, f"SIGTERM in {stop_at.rsplit(':', 1)[0]}: the CLI needed {took:.1f} s to exit"
+    assert _train(tmp_path / "run", _env(tmp_path), tmp_path / "out-resumed") == 0, \
+        (tmp_path / "out-resumed").read_text()[-3000:]
+    for name in ("adapter/adapter_model.safetensors", "optimizer.safetensors"):
+        a, b = read_tensors(tmp_path / "run" / "step-0001" / name)[0], read_tensors(uninterrupted / "step-0001" / name)[0]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"{name} differs after the resume"

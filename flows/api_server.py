@@ -61,6 +61,9 @@ def serve(parent_pid: int, port_file: Path) -> int:
     import socket
 
     import uvicorn
+    from prefect.settings import get_current_settings
+
+    Path(get_current_settings().home).mkdir(parents=True, exist_ok=True)  # its SQLite database lives there
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -114,6 +117,7 @@ def api_server(timeout_s: float | None = None):
         with temporary_settings(updates={PREFECT_API_URL: url}):  # if prefect was imported already
             yield url
     finally:
+        _drain_prefect()  # while the server still answers: else the exit waits on retries against a closed port
         os.environ.pop("PREFECT_API_URL", None)
         if proc.poll() is None:
             proc.terminate()
@@ -125,6 +129,17 @@ def api_server(timeout_s: float | None = None):
         import shutil
 
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _drain_prefect(timeout_s: float = 10.0) -> None:
+    """Send the logs and events Prefect still holds (a stopped run's crash reports) to the server now."""
+    if "prefect" not in sys.modules:
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=timeout_s)
 
 
 def _wait_ready(proc: subprocess.Popen, port_file: Path, log: Path, timeout_s: float) -> str:

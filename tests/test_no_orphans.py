@@ -54,12 +54,12 @@ def _env(d: Path, **extra) -> dict:
     return env
 
 
-def _train(run: Path, env: dict, log: Path, check_left: Path | None = None) -> int:
+def _train(run: Path, env: dict, log: Path, check_left: Path | None = None, extra: list[str] = ()) -> int:
     """`lgrpo train` of the small run in a session of its own; with check_left (its TMPDIR), assert that nothing
     of it is alive 10 s after it ended and that no server scratch folder is left there."""
     with open(log, "w") as out:
         p = subprocess.Popen([sys.executable, "-m", "lgrpo_cli", "train", "--run-dir", str(run), "--steps", "2",
-                              *SETS], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                              *SETS, *extra], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         rc = p.wait(timeout=600)
         if check_left is not None:
@@ -81,8 +81,13 @@ def _train(run: Path, env: dict, log: Path, check_left: Path | None = None) -> i
 @needs_proc
 @pytest.mark.parametrize("kill_at", ["bootstrap:0", "replay:1"])
 def test_a_killed_run_leaves_no_process_behind(tmp_path, kill_at):
-    rc = _train(tmp_path / "run", _env(tmp_path, LGRPO_KILL_AT=kill_at), tmp_path / "out", check_left=tmp_path / "tmp")
+    # the research gym over gym.transport http: its tools run in the run's tool server, a second helper process
+    # that must go too (the built-in table gym has no server tools)
+    rc = _train(tmp_path / "run", _env(tmp_path, LGRPO_KILL_AT=kill_at), tmp_path / "out", check_left=tmp_path / "tmp",
+                extra=["--config", "tiny-research", "--set", "gym.transport=http"])
     assert rc == -signal.SIGKILL, (tmp_path / "out").read_text()[-3000:]
+    if kill_at.startswith("replay"):  # generation ran: the tool server was started (and is gone, checked above)
+        assert list((tmp_path / "run" / "tool-server").iterdir()), "the run never started its tool server"
 
 
 @pytest.fixture(scope="module")

@@ -87,27 +87,27 @@ def check_thought_gap(gap: float, limit: float, step: int) -> None:
         )
 
 
-def check_finite_weights(step: int, w_thought: list, w_answer: list, log_ratio: list, max_log_ratio) -> None:
+def check_finite_weights(step: int, w_thought: list, w_answer: list, log_ratio, max_log_ratio) -> None:
     """Before any backward: the loss's per-term weights w = d loss / d logp must be finite. Per turn, w_thought and
-    w_answer are the weights and log_ratio the new-minus-old log-probs (thoughts then answer). A term more than
-    88.7 nat above its old value overflows exp in FP32 and turns the whole gradient NaN; the report names where."""
+    w_answer are the weights; log_ratio() gives the new-minus-old log-probs per turn (thoughts then answer) and is
+    called only when a weight is not finite. A term more than log(FLT_MAX) = 88.7 nat above its old value overflows
+    exp in FP32 and turns the whole gradient NaN; the report names where."""
     import math
 
     import torch
 
-    if all(bool(torch.isfinite(w).all()) for w in (*w_thought, *w_answer)):
+    w = [torch.cat([q, a]) for q, a in zip(w_thought, w_answer)]
+    if all(bool(torch.isfinite(x).all()) for x in w):
         return
     bad = []
-    for i, (wq, wa, lr) in enumerate(zip(w_thought, w_answer, log_ratio)):
-        for kind, w, off in (("thought", wq, 0), ("answer", wa, len(wq))):
-            for j in range(len(w)):
-                if not math.isfinite(float(w[j])):
-                    bad.append({"turn": i, "kind": kind, "term": j, "log_ratio": float(lr[off + j])})
-    if not bad:
-        return
+    for i, (x, lr) in enumerate(zip(w, log_ratio())):
+        K = len(w_thought[i])
+        for j in (~torch.isfinite(x)).nonzero()[:, 0].tolist():
+            bad.append({"turn": i, "kind": "thought" if j < K else "answer", "term": j if j < K else j - K,
+                        "log_ratio": float(lr[j])})
     worst = max(bad, key=lambda b: abs(b["log_ratio"]) if math.isfinite(b["log_ratio"]) else math.inf)
     kinds = {k: sum(b["kind"] == k for b in bad) for k in ("thought", "answer")}
-    overflow = math.isfinite(worst["log_ratio"]) and abs(worst["log_ratio"]) > 88.0
+    overflow = math.isfinite(worst["log_ratio"]) and abs(worst["log_ratio"]) > math.log(torch.finfo(torch.float32).max)
     cause = (f"log(pi/pi_old) reaches {worst['log_ratio']:.1f} nat ({worst['kind']} term {worst['term']} of turn "
              f"{worst['turn']}): exp overflows FP32 beyond 88.7 nat and TRL's clipped objective then back-propagates "
              "inf * 0. Set grpo.max_log_ratio (20 is verl's clamp; clamped terms get zero gradient) or use "

@@ -184,9 +184,10 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
             gates.check_thought_gap(li.thought_gap, cfg.gates.thought_logq_gap_max, step)
         metrics: dict = {}
         w_thought, w_answer = driver_weights(cfg, li, metrics)
-        old_turn = from_sequences(li.rows, li.lengths, li.old_lp)
-        gates.check_finite_weights(step, w_thought, w_answer, [n - o for n, o in zip(li.lp_turn, old_turn)],
-                                   cfg.grpo.max_log_ratio)  # before the backward it would waste
+        gates.check_finite_weights(  # before the backward it would waste
+            step, w_thought, w_answer,
+            lambda: [n - o for n, o in zip(li.lp_turn, from_sequences(li.rows, li.lengths, li.old_lp))],
+            cfg.grpo.max_log_ratio)
         adv, mask, n_rows = li.adv, li.mask, li.n_rows
 
         engine = runtime.trainer(cfg, base_in, base_in)

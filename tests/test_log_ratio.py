@@ -34,6 +34,26 @@ def test_overflowing_log_ratio_makes_trl_arithmetic_nan_and_the_clamp_finite():
         grpo_loss(lp, old, torch.tensor([1.0, -1.0]), mask, max_log_ratio=0.0)
 
 
+def test_moved_terms_under_the_clamp_dominate_dapo_and_stay_bounded_with_cispo():
+    """The 27B presets' choice (cispo, epsilon_high 5): after one update, thought terms that moved by 15 nat with a
+    negative advantage get dapo weights e^15 times an unmoved token's (PPO's unclipped branch; the H200 reuse step's
+    loss 934,074 and gradient norm 8.8e8), while cispo caps every weight at epsilon_high * |A| / n."""
+    from engine.loss import grpo_loss, token_weights
+
+    lp, old, mask = torch.zeros(2, 4), torch.zeros(2, 4), torch.ones(2, 4)
+    lp[0, :2] = 15.0  # two thought terms moved by 15 nat
+    adv = torch.tensor([-1.0, 1.0])
+    w_dapo = token_weights(lp, lambda x: grpo_loss(x, old, adv, mask, loss_type="dapo", max_log_ratio=20.0))
+    w_cispo = token_weights(lp, lambda x: grpo_loss(x, old, adv, mask, loss_type="cispo", epsilon_high=5.0,
+                                                    max_log_ratio=20.0))
+    n = mask.sum()
+    assert torch.allclose(w_dapo[0, :2].abs(), torch.full((2,), math.exp(15.0) / n), rtol=1e-5)
+    assert w_dapo[0, :2].abs().min() > 1e6 * w_dapo[0, 2:].abs().max()
+    assert w_cispo.abs().max() <= 5.0 / n + 1e-7
+    assert torch.allclose(w_cispo[0, :2], torch.full((2,), 5.0 / n))  # d loss / d logp = +cap * |A| / n for A < 0
+    assert torch.allclose(w_cispo[0, 2:], torch.full((2,), 1.0 / n))  # unmoved terms: ratio 1
+
+
 def answer_length(prompts, completions, **kwargs) -> list[float]:
     """A user reward function that spreads any group's rewards (so the step has a gradient signal)."""
     return [1e-3 * len(str(c)) for c in completions]

@@ -20,6 +20,8 @@ def _quiet(verbose: bool) -> None:
     import warnings
 
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
+    if not verbose:  # tracebacks go to the Prefect log and <run>/errors/, not over the console (flows/console.py)
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_CLASS", "flows.console.BriefConsoleHandler")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -100,6 +102,7 @@ def cmd_train(args) -> int:
     if args.run_dir is not None:
         overrides["run_dir"] = args.run_dir
     cfg = load_config(args.config, overrides)  # fail fast on a bad config, before Prefect starts
+    args.run_dir_resolved = cfg.run_dir  # where a failure's traceback is written
     from stages.context import reward_functions
 
     try:
@@ -160,6 +163,8 @@ def _train(args, cfg, overrides) -> int:
 
 def cmd_rerun(args) -> int:
     from flows.api_server import api_server
+
+    args.run_dir_resolved = args.run_dir
 
     with api_server():
         from flows.rerun import rerun_stage
@@ -274,6 +279,27 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"lgrpo: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - reported in one line, the traceback kept in the run directory
+        if getattr(args, "run_dir_resolved", None) is None:
+            raise
+        print(failure_line(e, args.run_dir_resolved), file=sys.stderr)
+        return 1
+
+
+def failure_line(exc: BaseException, run_dir: str) -> str:
+    """One line naming the failed task and the cause; the full traceback goes to <run>/errors/<UTC time>.txt."""
+    import traceback
+
+    from artifacts import RunDir
+    from flows.tasks import failed_task
+
+    path = RunDir(Path(run_dir)).error_log(time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(traceback.format_exception(exc)))
+    cause = str(exc).strip().splitlines()
+    cause = f"{type(exc).__name__}: {cause[0]}" if cause else type(exc).__name__
+    where = f"task {task} failed" if (task := failed_task(exc)) else "the run failed outside any task"
+    return f"lgrpo: {where}: {cause} (full traceback: {path}; Prefect's log has it too)"
 
 
 if __name__ == "__main__":

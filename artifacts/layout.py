@@ -83,6 +83,10 @@ class RunDir:
     def vllm_cache(self) -> Path:
         return self.root / "cache" / "vllm"
 
+    def error_log(self, stamp: str) -> Path:
+        """Full traceback of a failed run or rerun (the CLI prints one line and this path)."""
+        return self.root / "errors" / f"{stamp}.txt"
+
     def export_dir(self, base_hash: str) -> Path:
         return self.root / "export" / _key("base_hash", base_hash)
 

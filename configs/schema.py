@@ -48,6 +48,63 @@ class ModelConfig(_Strict):
                            "thought density gap is gated (gates.thought_logq_gap_max). No effect in float32. On a GPU it needs "
                            "model.gdn_kernels: torch (fla's recurrent and chunked kernels round differently)")
 
+    @model_validator(mode="after")
+    def _arch(self) -> "ModelConfig":
+        check_arch(self.arch)
+        return self
+
+
+# Qwen3_5TextConfig's own fields (transformers 5.17): the config class takes any keyword silently, so a misspelled
+# arch key would otherwise build the default-sized model. Tokens ids are set by the project from the tokenizer.
+ARCH_KEYS = frozenset({
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps",
+    "tie_word_embeddings", "rope_parameters", "attention_bias", "attention_dropout", "head_dim",
+    "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+    "linear_num_value_heads", "layer_types"})
+ARCH_DEFAULTS = {"num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4,
+                 "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+                 "linear_value_head_dim": 128}  # Qwen3_5TextConfig's defaults for the keys the rules read
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def check_arch(arch: dict[str, Any]) -> None:
+    """The architecture rules that otherwise fail minutes later inside a task (model build, GDN kernels)."""
+    unknown = sorted(set(arch) - ARCH_KEYS)
+    if unknown:
+        hint = {"bos_token_id", "eos_token_id", "pad_token_id"} & set(unknown)
+        raise ValueError(
+            f"model.arch: unknown key(s) {unknown}"
+            + (": token ids come from the tokenizer, drop them" if hint else
+               f" (Qwen3_5TextConfig takes any name silently and would build its default instead); known keys: "
+               f"{', '.join(sorted(ARCH_KEYS))}"))
+    a = {**ARCH_DEFAULTS, **arch}
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "linear_conv_kernel_dim", "linear_key_head_dim",
+                "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "max_position_embeddings"):
+        v = arch.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"model.arch.{key}={v!r}: must be a positive integer")
+    for key in ("linear_key_head_dim", "linear_value_head_dim"):
+        if a[key] not in (64, 128):
+            raise ValueError(f"model.arch.{key}={a[key]}: the Gated DeltaNet kernels (fla's, vLLM's CPU build) take "
+                             "head dimensions 64 or 128 only; set 64 (small models) or 128 (the Qwen3.5 checkpoints)")
+    if a["num_attention_heads"] % a["num_key_value_heads"]:
+        raise ValueError(f"model.arch.num_attention_heads={a['num_attention_heads']} is not a multiple of "
+                         f"num_key_value_heads={a['num_key_value_heads']} (grouped-query attention shares each KV head "
+                         "among a whole number of query heads)")
+    if a["linear_num_value_heads"] % a["linear_num_key_heads"]:
+        raise ValueError(f"model.arch.linear_num_value_heads={a['linear_num_value_heads']} is not a multiple of "
+                         f"linear_num_key_heads={a['linear_num_key_heads']} (Gated DeltaNet repeats each key head over a "
+                         "whole number of value heads)")
+    types = arch.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or any(t not in LAYER_TYPES for t in types):
+            raise ValueError(f"model.arch.layer_types={types!r}: a list whose entries are {' or '.join(LAYER_TYPES)}")
+        if len(types) != a["num_hidden_layers"]:
+            raise ValueError(f"model.arch.layer_types lists {len(types)} layers but num_hidden_layers="
+                             f"{a['num_hidden_layers']}: give one type per layer (or set num_hidden_layers: {len(types)})")
+
 
 class TokenizerConfig(_Strict):
     """A byte-level BPE trained offline by the project on the built-in gym's oracle text."""

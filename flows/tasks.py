@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -79,9 +80,37 @@ def retry_unless_gate(task, task_run, state) -> bool:
     return not isinstance(state.result(raise_on_failure=False), GateFailed)
 
 
+def name_failed_task(task, task_run, state) -> None:
+    """on_failure hook (after the last retry): the error carries the name of the task run that raised it, so the CLI
+    can end a failed run with one line naming the task and the cause (`failed_task`)."""
+    exc = state.result(raise_on_failure=False)
+    if isinstance(exc, BaseException) and failed_task(exc) is None:
+        exc.add_note(f"{_TASK_NOTE}{task_run.name}")
+
+
+_TASK_NOTE = "lgrpo: raised by Prefect task "
+
+
+def failed_task(exc: BaseException) -> str | None:
+    """The task run named by `name_failed_task` on this error or the errors it chains from, or None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        for note in getattr(exc, "__notes__", ()):
+            if note.startswith(_TASK_NOTE):
+                return note[len(_TASK_NOTE):]
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+# Every stage task: content-keyed cache, results persisted as JSON (paths and small summaries; no pickles on disk),
+# transient failures retried but never a failed gate, and the failing task's name carried by its error.
+TASK_OPTIONS = dict(cache_policy=ARTIFACT_CACHE, persist_result=True, result_serializer="json",
+                    retry_condition_fn=retry_unless_gate, on_failure=[name_failed_task])
+
+
 def _stage_task(name: str, retries: int, delays: list[float]):
-    return task(name=name, cache_policy=ARTIFACT_CACHE, persist_result=True, retries=retries,
-                retry_delay_seconds=delays, retry_jitter_factor=0.5, retry_condition_fn=retry_unless_gate,
+    return task(name=name, retries=retries, retry_delay_seconds=delays, retry_jitter_factor=0.5, **TASK_OPTIONS,
                 task_run_name=name + "-{step}" if name not in ("prepare-tokenizer", "bootstrap-base", "init-adapter", "export") else name)
 
 
@@ -120,8 +149,7 @@ def sample_tasks(run_dir: str, step: int, base_in: str) -> dict:
     return fn(run_dir, step, base_in)
 
 
-@task(name="generate-turn", cache_policy=ARTIFACT_CACHE, persist_result=True, retries=1, retry_delay_seconds=[2],
-      retry_condition_fn=retry_unless_gate, task_run_name="generate-turn-{step}-{turn}")
+@task(name="generate-turn", retries=1, retry_delay_seconds=[2], **TASK_OPTIONS, task_run_name="generate-turn-{step}-{turn}")
 def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in: str, export_in: str,
                   base_in: str) -> dict:
     from stages.generate import generate_turn as fn
@@ -129,8 +157,8 @@ def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in:
     return fn(run_dir, step, turn, state_in, adapter_in, export_in, base_in)
 
 
-@task(name="run-gym", cache_policy=ARTIFACT_CACHE, persist_result=True, retries=3, retry_delay_seconds=[1, 2, 4],
-      retry_jitter_factor=0.5, retry_condition_fn=retry_unless_gate, task_run_name="run-gym-{step}-{turn}")
+@task(name="run-gym", retries=3, retry_delay_seconds=[1, 2, 4], retry_jitter_factor=0.5, **TASK_OPTIONS,
+      task_run_name="run-gym-{step}-{turn}")
 def run_gym(run_dir: str, step: int, turn: int, state_in: str, turn_in: str, base_in: str) -> dict:
     from stages.gym import run_gym as fn
 
@@ -141,12 +169,17 @@ def run_gym(run_dir: str, step: int, turn: int, state_in: str, turn_in: str, bas
 def collect_rollouts(run_dir: str, step: int, turn_in: list[str], gym_in: list[str]) -> dict:
     from stages.rollouts import collect_rollouts as fn
 
-    return fn(run_dir, step, turn_in, gym_in)
+    with gate_reports(run_dir, step, "", ""):  # provenance: a trace that does not verify
+        return fn(run_dir, step, turn_in, gym_in)
 
 
-def report_gate_failure(run_dir: str, step: int, exc: GateFailed, adapter_in: str, base_in: str,
+DIAGNOSED_GATES = ("rollout-parity", "teacher-forced-probe")  # stages/diagnose.py rebuilds their worst tokens
+
+
+def report_gate_failure(run_dir: str, step: int | None, exc: GateFailed, adapter_in: str, base_in: str,
                         rollouts_in: str | None = None) -> None:
-    """Attach the failed gate's report as a Prefect artifact, run the diagnostic and attach its verdict.
+    """Attach the failed gate's report as a Prefect artifact (key `step-NNNN-gate-<gate>`, `final-gate-<gate>` for the
+    end-of-run checkpoint) and, for the gates that have one, run the diagnostic and attach its verdict.
 
     The gate failure is re-raised by the caller whatever happens here; a diagnostic that itself fails is logged
     (with its error) and never replaces the gate's error."""
@@ -156,13 +189,20 @@ def report_gate_failure(run_dir: str, step: int, exc: GateFailed, adapter_in: st
     from artifacts import dumps_json
 
     logger = get_run_logger()
+    where = f"step-{step:04d}" if step is not None else "final"
     summary = {k: v for k, v in exc.report.items() if not isinstance(v, (list, dict))}
+    diagnosed = exc.gate in DIAGNOSED_GATES
     create_markdown_artifact(
-        key=f"step-{step:04d}-gate-{exc.gate}",
-        markdown=f"**gate `{exc.gate}` failed** at step {step}: {exc}\n\n| field | value |\n|---|---|\n"
+        key=f"{where}-gate-{exc.gate}",
+        markdown=f"**gate `{exc.gate}` failed** at {where}: {exc}\n\n| field | value |\n|---|---|\n"
                  + "\n".join(f"| {k} | {v} |" for k, v in summary.items())
-                 + f"\n\n```json\n{dumps_json(exc.report)[:20000]}\n```",
-        description=f"Report of the failed gate {exc.gate} (step {step})")
+                 + f"\n\n```json\n{dumps_json(exc.report)[:20000]}\n```\n\n"
+                 + (f"diagnostic: artifact `{where}-diagnostic`" if diagnosed else
+                    f"no token-level diagnostic applies to `{exc.gate}` (stages/diagnose.py covers "
+                    f"{', '.join(DIAGNOSED_GATES)}); the message above names what to check"),
+        description=f"Report of the failed gate {exc.gate} ({where})")
+    if not diagnosed:
+        return
     try:
         from stages.diagnose import diagnose
 
@@ -173,40 +213,44 @@ def report_gate_failure(run_dir: str, step: int, exc: GateFailed, adapter_in: st
     logger.error("diagnostic for gate %s: %s (disagreeing paths: %s)", exc.gate, d["verdict"],
                  ", ".join(d["disagreeing_paths"]) or "none")
     create_markdown_artifact(
-        key=f"step-{step:04d}-diagnostic",
+        key=f"{where}-diagnostic",
         markdown=f"**verdict:** {d['verdict']}\n\n**disagreeing paths:** {', '.join(d['disagreeing_paths']) or 'none'}"
                  f"\n\nfull report: `{d['path']}`",
-        description=f"Failure diagnostic of gate {exc.gate} (step {step})")
+        description=f"Failure diagnostic of gate {exc.gate} ({where})")
+
+
+@contextmanager
+def gate_reports(run_dir: str, step: int | None, adapter_in: str, base_in: str, rollouts_in: str | None = None):
+    """Around a stage that checks gates: a GateFailed leaves its report (and diagnostic) in Prefect, then propagates."""
+    try:
+        yield
+    except GateFailed as exc:
+        report_gate_failure(run_dir, step, exc, adapter_in, base_in, rollouts_in)
+        raise
 
 
 @_stage_task("replay", 1, [2])
 def replay(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: str, fresh: bool) -> dict:
     from stages.replay import replay as fn
 
-    try:
+    with gate_reports(run_dir, step, adapter_in, base_in, rollouts_in):
         return fn(run_dir, step, rollouts_in, adapter_in, base_in, fresh)
-    except GateFailed as exc:
-        report_gate_failure(run_dir, step, exc, adapter_in, base_in, rollouts_in)
-        raise
 
 
 @_stage_task("probe", 1, [2])
 def probe(run_dir: str, step: int, adapter_in: str, export_in: str, base_in: str) -> dict:
     from stages.probe import probe as fn
 
-    try:
+    with gate_reports(run_dir, step, adapter_in, base_in):
         return fn(run_dir, step, adapter_in, export_in, base_in)
-    except GateFailed as exc:
-        report_gate_failure(run_dir, step, exc, adapter_in, base_in)
-        raise
 
 
-@task(name="verify-checkpoint", cache_policy=ARTIFACT_CACHE, persist_result=True, retries=1, retry_delay_seconds=[2],
-      retry_condition_fn=retry_unless_gate)
+@task(name="verify-checkpoint", retries=1, retry_delay_seconds=[2], **TASK_OPTIONS)
 def verify_checkpoint(run_dir: str, adapter_in: str, base_in: str) -> dict:
     from stages.probe import verify_checkpoint as fn
 
-    return fn(run_dir, adapter_in, base_in)
+    with gate_reports(run_dir, None, adapter_in, base_in):
+        return fn(run_dir, adapter_in, base_in)
 
 
 @_stage_task("optimize", 1, [2])
@@ -214,11 +258,11 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
              optimizer_in: str | None, base_in: str) -> dict:
     from stages.optimize import optimize as fn
 
-    return fn(run_dir, step, rollouts_in, replay_in, old_replay_in, adapter_in, optimizer_in, base_in)
+    with gate_reports(run_dir, step, adapter_in, base_in, rollouts_in):  # finite/nonzero gradients, determinism, ...
+        return fn(run_dir, step, rollouts_in, replay_in, old_replay_in, adapter_in, optimizer_in, base_in)
 
 
-@task(name="evaluate", cache_policy=ARTIFACT_CACHE, persist_result=True, retries=1, retry_delay_seconds=[2],
-      retry_condition_fn=retry_unless_gate, task_run_name="evaluate-{tag}")
+@task(name="evaluate", retries=1, retry_delay_seconds=[2], **TASK_OPTIONS, task_run_name="evaluate-{tag}")
 def evaluate(run_dir: str, tag: str, adapter_in: str, export_in: str, base_in: str) -> dict:
     from stages.evaluate import evaluate as fn
 

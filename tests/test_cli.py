@@ -1,6 +1,8 @@
-"""CLI commands that read a run directory: `lgrpo gates` and `lgrpo verify-trace`."""
+"""CLI commands that read a run directory (`lgrpo gates`, `lgrpo verify-trace`) and how `lgrpo train` ends on a failure."""
 
 from __future__ import annotations
+
+import pytest
 
 from lgrpo_cli import main
 
@@ -40,3 +42,32 @@ def test_verify_trace_exit_codes(tmp_path, capsys):
     assert main(["verify-trace", str(path)]) == 1
     out = capsys.readouterr().out
     assert "FAILED" in out and "entry 0 (line 1" in out
+
+
+@pytest.mark.slow
+def test_a_failed_task_ends_the_cli_with_one_line_naming_it_and_the_traceback_file(tmp_path):
+    """Issue 15: a failing task used to end `lgrpo train` with ~145 lines of two tracebacks. Now the console keeps
+    Prefect's one-line error records, the CLI's last line names the task run and the cause, and the full traceback
+    is in <run>/errors/ (and in the run's Prefect log)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = tmp_path / "run"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
+    res = subprocess.run(
+        [sys.executable, "-m", "lgrpo_cli", "train", "--config", "tiny-research", "--steps", "1", "--run-dir", str(run),
+         "--set", "bootstrap.enabled=false", "--set", "gym.transport=http", "--set", "threads=1",
+         "--set", "gym.tool_server.url=http://127.0.0.1:9", "--set", "gym.tool_server.max_attempts=1",
+         "--set", "gym.eval_tasks=1"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 1, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("lgrpo: task evaluate-before failed: ToolTransportError: "), last
+    assert "is the tool server running?" in last
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) <= 6, res.stderr
+    logged = sorted((run / "errors").glob("*.txt"))
+    assert len(logged) == 1 and f"full traceback: {logged[0]}" in last
+    text = logged[0].read_text()
+    assert text.startswith("Traceback") and "gyms/transport.py" in text and "ToolTransportError" in text

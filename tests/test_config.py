@@ -112,3 +112,22 @@ def test_cuda_without_a_gpu_fails_with_a_message_saying_what_to_change():
         return
     with pytest.raises(RuntimeError, match="sees no CUDA GPU.*set device: cpu"):
         check_device(cfg)
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"model.arch.linear_key_head_dim": 32}, r"linear_key_head_dim=32: .*64 or 128 only"),
+    ({"model.arch.linear_value_head_dim": 96}, r"linear_value_head_dim=96: .*64 or 128 only"),
+    ({"model.arch.hiden_size": 64}, r"unknown key\(s\) \['hiden_size'\] .*known keys: .*hidden_size"),
+    ({"model.arch.eos_token_id": 3}, r"token ids come from the tokenizer"),
+    ({"model.arch.layer_types": ["linear_attention", "full_attention"]}, r"lists 2 layers but num_hidden_layers=4"),
+    ({"model.arch.layer_types": ["linear_attention"] * 3 + ["sliding"]}, r"entries are linear_attention or full"),
+    ({"model.arch.num_key_value_heads": 3}, r"num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    ({"model.arch.linear_num_value_heads": 3}, r"linear_num_value_heads=3 is not a multiple of linear_num_key_heads=2"),
+    ({"model.arch.hidden_size": 0}, r"hidden_size=0: must be a positive integer"),
+])
+def test_architecture_rules_are_checked_at_load_time_with_the_fix(override, message):
+    """Issue 15: `linear_key_head_dim: 32` used to pass load_config and fail 31 s later inside the bootstrap task;
+    a misspelled arch key built Qwen3_5TextConfig's default-sized model silently."""
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny", override)
+

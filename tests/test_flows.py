@@ -38,6 +38,15 @@ def test_two_steps_task_states_and_cached_rerun(prefect_harness, tmp_path):
     forced = _states(grpo_step(run_dir, 1, force_from="optimize", return_state=True))
     assert forced["replay-1"] == "Cached" and forced["optimize-1"] == "Completed", forced
 
+    # task results are persisted as JSON (paths and small summaries), never as pickles
+    import json
+
+    from prefect.settings import PREFECT_LOCAL_STORAGE_PATH
+
+    stored = [json.loads(p.read_text()) for p in PREFECT_LOCAL_STORAGE_PATH.value().iterdir() if p.is_file()]
+    assert stored and {r["metadata"]["serializer"]["type"] for r in stored} == {"json"}, stored[:1]
+    assert any(json.loads(r["result"]).get("path", "").endswith("rollouts.arrow") for r in stored)
+
 
 def test_gate_failure_fails_the_task_without_retry(prefect_harness, tmp_path, monkeypatch):
     """A sampler that over-reports its log-probs by 3 nat (an injected defect) fails the rollout-parity gate."""
@@ -90,3 +99,110 @@ def test_phase_times_split_prefill_from_latent_and_answers_where_the_stage_measu
     assert ph == {"prefill": 3.5, "latent": 2.5, "answers": 3.0, "generate-other": 1.0, "replay": 7.0}
     assert sum(v for k, v in ph.items() if k != "replay") == graphed["wall_s"]  # the split adds up to the stage
     assert phase_times([eager]) == {"latent": 1.0, "answers": 1.5, "generate-other": 0.5}  # no prefill measured: none
+
+
+def _task_runs(flow_run_id) -> list:
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+
+
+def _artifact_keys() -> set[str]:
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        return {a.key for a in client.read_artifacts()}
+
+
+def test_every_gate_fails_its_task_visibly(prefect_harness, tmp_path, monkeypatch):
+    """Issue 15: each gate that a stage checks, failed by a real defect injected under it, fails its Prefect task
+    at once (no retry, though the task has retries), attaches the gate's report as an artifact, and stops the step.
+    (rollout-parity: test above; teacher-forced-probe: test_gates.py with the same report path.)"""
+    import torch
+
+    from engine import runtime
+    from flows import tasks as T
+    from flows.step import grpo_step
+    from stages import optimize as O
+
+    # the two-pass replay tier: optimize re-forwards each micro-batch, so replay-determinism is checked there
+    run_dir = make_run(tmp_path / "run", **{"replay.keep_graph_tokens": 0, "replay.checkpoint_tokens": 0,
+                                            "gates.probe_every": 1000, "steps.total": 2,
+                                            "gym.reward_funcs": ["tests.test_log_ratio:answer_length"]})
+    s0 = grpo_step(run_dir, 0, return_state=True)
+    assert s0.is_completed() and s0.result()["grad_norm"] > 0, "the injections below need a step with a gradient signal"
+
+    real_acc, real_weights = O.accumulate_gradients, O.driver_weights
+
+    def zero_gradients(cfg, engine, *a, **k):  # a backward that loses the gradient
+        real_acc(cfg, engine, *a, **k)
+        for p in engine.model.parameters():
+            if p.grad is not None:
+                p.grad.zero_()
+
+    def changed_weights(cfg, engine, *a, **k):  # the weights move between replay and the second pass
+        with torch.no_grad():  # lora_B: the initial adapter's lora_A alone changes nothing (B = 0)
+            next(p for n, p in engine.model.named_parameters() if "lora_B" in n).add_(1e-3)
+        real_acc(cfg, engine, *a, **k)
+
+    def infinite_weight(cfg, li, metrics):  # a loss weight that overflowed
+        wq, wa = real_weights(cfg, li, metrics)
+        wa[0][0] = float("inf")
+        return wq, wa
+
+    for gate, name, patch in (("nonzero-gradients", "accumulate_gradients", zero_gradients),
+                              ("replay-determinism", "accumulate_gradients", changed_weights),
+                              ("finite-gradients", "driver_weights", infinite_weight)):
+        with monkeypatch.context() as m:
+            m.setattr(O, name, patch)
+            runtime.clear()  # the trainer is rebuilt from the stored adapter: the injected change is the only one
+            state = grpo_step(run_dir, 0, force_from="optimize", return_state=True)
+        assert state.is_failed(), (gate, state)
+        opt = [r for r in _task_runs(state.state_details.flow_run_id) if r.name == "optimize-0"]
+        assert len(opt) == 1 and opt[0].state.name == "Failed" and opt[0].run_count == 1, (gate, opt)
+        assert gate in opt[0].state.message, (gate, opt[0].state.message)
+        assert f"step-0000-gate-{gate}" in _artifact_keys(), gate
+    runtime.clear()
+
+    # verified-checkpoint: the engine reloaded from disk does not hold the trained weights
+    real_build = runtime.build
+
+    def stale_checkpoint(*a, **k):
+        eng = real_build(*a, **k)
+        if k.get("via_peft"):
+            with torch.no_grad():
+                next(p for n, p in eng.model.named_parameters() if "lora_B" in n).add_(1e-2)
+        return eng
+
+    from artifacts import RunDir, read_json
+
+    base = read_json(RunDir(run_dir).prepared())["base"]
+    with monkeypatch.context() as m:
+        m.setattr(runtime, "build", stale_checkpoint)
+        state = T.verify_checkpoint(run_dir, str(RunDir(run_dir).adapter(0)), base, return_state=True)
+    assert state.is_failed() and "verified-checkpoint" in state.message, state
+    assert "final-gate-verified-checkpoint" in _artifact_keys()
+
+
+
+def test_provenance_gate_fails_collect_rollouts_visibly(prefect_harness, tmp_path):
+    """A stored sealed trace changed after its episode (one flipped bit) fails collect-rollouts through Prefect at
+    once, with the gate's artifact. The research gym keeps traces (its tools run server-side); the table gym none."""
+    from artifacts import RunDir
+    from flows.step import grpo_step
+
+    run_dir = make_run(tmp_path / "run", **{"gym.name": "research", "gym.max_turns": 2,
+                                            "gym.options": {"n_entities": 8}, "gates.probe_every": 1000})
+    assert grpo_step(run_dir, 0, return_state=True).is_completed()
+    traces = sorted(RunDir(run_dir).step_dir(0).rglob("*.trace.jsonl"))
+    assert traces, "the research gym stores a sealed trace per episode"
+    raw = bytearray(traces[0].read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    traces[0].write_bytes(bytes(raw))
+    state = grpo_step(run_dir, 0, force_from="collect-rollouts", return_state=True)
+    assert state.is_failed()
+    col = [r for r in _task_runs(state.state_details.flow_run_id) if r.name == "collect-rollouts-0"]
+    assert col[0].state.name == "Failed" and col[0].run_count == 1 and "provenance" in col[0].state.message, col
+    assert "step-0000-gate-provenance" in _artifact_keys()

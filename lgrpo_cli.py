@@ -56,15 +56,24 @@ def _records(run_dir: Path) -> dict[int, dict]:
     return out
 
 
-def _watch(run_dir: Path, stop: threading.Event, progress, task_id) -> None:
+def _watch(run_dir: Path, stop: threading.Event, progress, task_id, total: int) -> None:
+    """One line per finished step (plain lines when the output is not a terminal), with the run's ETA."""
+    from artifacts.progress import _fmt
+
     seen: set[int] = set()
+    first = None  # when the first step finished: later steps' wall time per step includes Prefect's share
     while not stop.is_set():
         for s, r in sorted(_records(run_dir).items()):
             if s in seen:
                 continue
             seen.add(s)
             ph = " ".join(f"{k}={v:.2f}s" for k, v in r["phases"].items())
-            progress.console.print(f"step {s:3d} {r['kind']:5s} {step_metrics.line(r)} | {ph}")
+            now = time.monotonic()
+            first = now if first is None else first
+            per_step = (now - first) / (len(seen) - 1) if len(seen) > 1 else sum(r["phases"].values())
+            eta = f", ETA {_fmt(per_step * (total - len(seen)))}" if len(seen) < total else ""
+            progress.console.print(f"step {s:3d} {r['kind']:5s} {step_metrics.line(r)} | {ph} | "
+                                   f"{len(seen)}/{total} steps{eta}")
             progress.update(task_id, completed=len(seen))
         stop.wait(0.5)
 
@@ -131,7 +140,7 @@ def _train(args, cfg, overrides) -> int:
     with Progress(TextColumn("[bold]latent GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         tid = progress.add_task("steps", total=cfg.steps.total)
-        th = threading.Thread(target=_watch, args=(run_dir, stop, progress, tid), daemon=True)
+        th = threading.Thread(target=_watch, args=(run_dir, stop, progress, tid, cfg.steps.total), daemon=True)
         th.start()
         try:
             summary = train(config=args.config, overrides=overrides)

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from artifacts import RunDir, dir_digest, seal_dir, sha256_file, write_json
+from artifacts.progress import Progress
 from configs.schema import GymConfig, RunConfig, config_hash
 from engine.chat import first_prompt, observation_block
 from stages import faults
@@ -159,6 +160,7 @@ def _supervised(cfg, model, tok, toks) -> list[float]:
     losses = []
     K = cfg.latent.max_latent_steps
     ROUND = 8  # thoughts are sampled for ROUND batches at once (one wide latent loop), then trained on
+    progress = Progress("bootstrap-base", n_batches, "updates")
     for _ in range(bc.epochs):
         order = list(range(len(examples)))
         rng.shuffle(order)
@@ -174,6 +176,7 @@ def _supervised(cfg, model, tok, toks) -> list[float]:
             for b in batches[r:r + ROUND]:
                 losses.append(_sft_update(model, opt, sched, [examples[i] for i in b], [thought[i] for i in b],
                                           sigma, scale, toks))
+                progress.update()
             faults.maybe_kill("bootstrap", 0)
     model.eval()
     return losses

@@ -8,6 +8,7 @@ and how episodes ended. Episodes and their sealed traces live under <run>/eval-<
 from __future__ import annotations
 
 from artifacts import RunDir, read_table, write_json
+from artifacts.progress import Progress
 from stages.context import run_config, timer
 from stages.generate import generate_turn, sample_tasks
 from stages.gym import run_gym
@@ -24,6 +25,7 @@ def evaluate(run_dir: str, tag: str, adapter_in: str, export_in: str, base_in: s
                           out_path=str(rd.eval_tasks(tag)), scope=f"eval-{tag}")
         state = st["path"]
         tool_errors = turns = answer_tokens = 0
+        progress = Progress(f"evaluate-{tag}", cfg.gym.max_turns, "turns")
         for turn in range(cfg.gym.max_turns):
             tr = generate_turn(run_dir, EVAL_STEP, turn, state, adapter_in, export_in, base_in,
                                out_path=str(rd.eval_turn(tag, turn)))
@@ -32,6 +34,7 @@ def evaluate(run_dir: str, tag: str, adapter_in: str, export_in: str, base_in: s
             turns += tr["rows"]
             answer_tokens += tr["answer_tokens"]
             state = gr["path"]
+            progress.update()
             if gr["all_done"]:
                 break
         final = read_table(state).to_pylist()

@@ -131,6 +131,7 @@ def _train(args, cfg, overrides) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from configs.params import TrainParameters
     from flows.train import train
 
     console = Console()
@@ -143,7 +144,7 @@ def _train(args, cfg, overrides) -> int:
         th = threading.Thread(target=_watch, args=(run_dir, stop, progress, tid, cfg.steps.total), daemon=True)
         th.start()
         try:
-            summary = train(config=args.config, overrides=overrides)
+            summary = train(params=TrainParameters(config=args.config, overrides=overrides))
         finally:
             time.sleep(0.6)
             stop.set()

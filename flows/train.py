@@ -4,12 +4,11 @@ and a held-out evaluation before and after training.
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from artifacts import curves, write_json
+from configs.params import TrainParameters
 from configs.schema import load_config
 from flows import tasks as T
 from flows.step import grpo_step
@@ -17,15 +16,10 @@ from stages.prepare import init_run_dir, record_prepared  # noqa: F401  (init_ru
 
 
 @flow(name="lgrpo-train", log_prints=True)
-def train(config: str = "tiny", steps: int | None = None, run_dir: str | None = None,
-          overrides: dict[str, Any] | None = None) -> dict:
-    """Run `steps` GRPO steps of `config` (a preset name or YAML path) into `run_dir`."""
-    ov = dict(overrides or {})
-    if steps is not None:
-        ov["steps.total"] = steps
-    if run_dir is not None:
-        ov["run_dir"] = run_dir
-    cfg = load_config(config, ov)
+def train(params: TrainParameters = TrainParameters()) -> dict:
+    """Run a preset's GRPO steps into its run directory; `params` (configs/params.py) names the preset, the commonly
+    changed settings and any other override. Prefect validates them (the whole config) before the run starts."""
+    cfg = load_config(params.config, params.config_overrides())
     from engine.runtime import check_device  # lazily: this module stays importable without torch
 
     check_device(cfg)  # before the bootstrap, not after it

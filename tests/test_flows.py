@@ -206,3 +206,21 @@ def test_provenance_gate_fails_collect_rollouts_visibly(prefect_harness, tmp_pat
     col = [r for r in _task_runs(state.state_details.flow_run_id) if r.name == "collect-rollouts-0"]
     assert col[0].state.name == "Failed" and col[0].run_count == 1 and "provenance" in col[0].state.message, col
     assert "step-0000-gate-provenance" in _artifact_keys()
+
+
+def test_train_parameters_are_a_typed_form_validated_before_the_run(prefect_harness, tmp_path):
+    """Issue 15: the train flow's parameters are a pydantic model, so Prefect's UI builds a form from its schema, and
+    a combination the config schema rejects fails the flow run before any task runs."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.train import train
+
+    schema = parameter_schema(train).model_dump()
+    props = schema["definitions"]["TrainParameters"]["properties"]
+    assert {"config", "steps", "run_dir", "learning_rate", "groups_per_step", "overrides"} <= set(props)
+    assert props["steps"]["anyOf"][0]["minimum"] == 1 and "GRPO steps" in props["steps"]["description"]
+    state = train(params={"run_dir": str(tmp_path / "run"), "overrides": {"model.arch.linear_key_head_dim": 32}},
+                  return_state=True)
+    assert state.is_failed() and "64 or 128" in state.message, state
+    assert not (tmp_path / "run").exists()  # nothing started
+    assert _task_runs(state.state_details.flow_run_id) == []

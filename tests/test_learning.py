@@ -65,6 +65,7 @@ def test_updates_raise_reward_and_curves_are_written(prefect_harness, tmp_path, 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from artifacts import RunDir
+    from configs.params import TrainParameters
     from flows.train import train
     from stages.evaluate import batch_reward_gain
 
@@ -78,7 +79,7 @@ def test_updates_raise_reward_and_curves_are_written(prefect_harness, tmp_path, 
         rd = init_run_dir(load_config("tiny", overrides))
         for sub in ("tokenizer", "bootstrap"):
             shutil.copytree(os.path.join(base_from, sub), rd.root / sub)
-    s = train(config="tiny", overrides=overrides)
+    s = train(params=TrainParameters(config="tiny", overrides=overrides))
     rd = RunDir(s["run_dir"])
     kinds = [x["kind"] for x in s["steps"]]
     assert kinds == ["fresh", "reuse"] * (RUN["steps.total"] // 2), kinds

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from artifacts import RunDir, dir_digest, seal_dir, sha256_file, write_json
+from artifacts import shared_cache
 from artifacts.progress import Progress
 from configs.schema import GymConfig, RunConfig, config_hash
 from engine.chat import first_prompt, observation_block
@@ -98,6 +99,13 @@ def bootstrap_base(run_dir: str, tok_dir: str) -> dict:
             dir_digest(target)
             out.update(path=str(target), cached=True)
             return out
+        # shared by runs: the training also depends on the seed and (CPU reductions) on the thread count
+        import torch
+
+        shared_key = f"{key}-seed{cfg.seed}-threads{torch.get_num_threads()}"
+        if shared_cache.fetch("bootstrap", shared_key, target):
+            out.update(path=str(target), cached="shared")
+            return out
         toks = M.Tokens.of(tok)
         if cfg.model.source == "random":  # a recipe, not weights: engines build it on their device from the seed
             write_random_base(target, cfg, tok, toks)
@@ -115,6 +123,7 @@ def bootstrap_base(run_dir: str, tok_dir: str) -> dict:
         seal_dir(scratch, target)
         shutil.rmtree(scratch)
         write_json(target.parent / f"{key}.report.json", {"losses": losses})
+        shared_cache.store("bootstrap", shared_key, target)
         out.update(path=str(target), cached=False, first_loss=losses[0] if losses else None,
                    last_loss=losses[-1] if losses else None)
     return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from artifacts import RunDir, dir_digest, seal_dir
+from artifacts import RunDir, dir_digest, seal_dir, shared_cache
 from stages.context import run_config, timer
 
 
@@ -27,10 +27,14 @@ def export_base(run_dir: str, base_dir: str) -> dict:
             dir_digest(target)
             out.update(path=str(target), base_hash=base_hash, cached=True)
             return out
+        manifest = M.random_base_manifest(base_dir)
+        shareable = manifest is None and cfg.model.quantization == "none"  # a checkpoint cast: depends on the base only
+        if shareable and shared_cache.fetch("export", target.name, target):
+            out.update(path=str(target), base_hash=base_hash, cached="shared")
+            return out
         scratch = target.with_name(target.name + ".build")
         if scratch.exists():  # a crash mid-export left it
             shutil.rmtree(scratch)
-        manifest = M.random_base_manifest(base_dir)
         if manifest is not None:
             # a random base has no checkpoint: the export is its recipe too; for an NF4 trainer the sampler's BF16
             # weights are the trainer's dequantized ones, copied in memory and checked bit for bit when the sampler
@@ -63,5 +67,7 @@ def export_base(run_dir: str, base_dir: str) -> dict:
                     shutil.copyfile(f, scratch / f.name)
         seal_dir(scratch, target)
         shutil.rmtree(scratch)
+        if shareable:
+            shared_cache.store("export", target.name, target)
         out.update(path=str(target), base_hash=base_hash, cached=False)
     return out

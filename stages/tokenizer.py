@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from artifacts import shared_cache
 from artifacts import RunDir, dir_digest, seal_dir
 from configs.schema import config_hash
 from engine.chat import episode_text
@@ -30,11 +31,15 @@ def prepare_tokenizer(run_dir: str) -> dict:
             dir_digest(target)  # verifies
             out.update(path=str(target), cached=True)
             return out
+        if shared_cache.fetch("tokenizer", key, target):
+            out.update(path=str(target), cached="shared")
+            return out
         corpus = [episode_text(e["question"], e["answers"], e["observations"])
                   for e in oracle_episodes(cfg, 2000, seed=cfg.gym.train_split_seed + 7)]
         scratch = target.with_name(target.name + ".build")
         train_tokenizer(corpus, cfg.tokenizer.vocab_size, scratch)
         seal_dir(scratch, target)
         shutil.rmtree(scratch)
+        shared_cache.store("tokenizer", key, target)
         out.update(path=str(target), cached=False)
     return out

@@ -10,6 +10,9 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+# tests build their own tokenizers and bases: the cache shared by runs (artifacts/shared_cache.py) stays out of them
+# unless a test turns it on for itself (tests/test_shared_cache.py)
+os.environ["LGRPO_CACHE_DIR"] = "off"
 
 # The embedded default, shrunk so a step takes seconds: same model, gym, stages and gates.
 SMALL = {

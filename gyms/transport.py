@@ -115,6 +115,15 @@ class HttpToolClient:
         self._lock = threading.Lock()
         self._serial = 0
 
+    def retarget(self, url: str) -> None:
+        """Point the client at another server (the run's restarted tool server); calls in flight keep the old one."""
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"HttpToolClient: url must look like http://HOST:PORT, got {url!r}")
+        with self._lock:
+            self.url, self.host, self.port = url.rstrip("/"), parts.hostname, parts.port or 80
+            self.prefix = parts.path.rstrip("/")
+
     # -- the ToolClient protocol ------------------------------------------------------------------------------
 
     def call(self, episode: str, call_id: str, name: str, arguments: dict[str, Any]) -> ToolReply:

@@ -119,8 +119,6 @@ def tool_client(cfg: RunConfig, run_dir: str | Path):
     """The run's HTTP tool client; starts the run's tool server on 127.0.0.1 unless ``tool_server.url`` is set."""
     import atexit
 
-    from gyms.launcher import start_tool_server
-    from gyms.server import FaultConfig
     from gyms.transport import HttpToolClient
 
     ts = cfg.gym.tool_server
@@ -131,14 +129,7 @@ def tool_client(cfg: RunConfig, run_dir: str | Path):
     logs.mkdir(parents=True, exist_ok=True)
     url = ts.url
     if url is None:
-        faults = None
-        if ts.faults.rate > 0:
-            # an injected "timeout" must outlast the client's per-attempt timeout to be one
-            faults = FaultConfig(rate=ts.faults.rate, kinds=tuple(ts.faults.kinds), seed=ts.faults.seed,
-                                 timeout_s=ts.timeout_s + 1.0)
-        server = start_tool_server(tool_server_factory_path(cfg.gym.name),
-                                   {"max_turns": cfg.gym.max_turns, **cfg.gym.options}, faults=faults,
-                                   fault_log=logs / "faults.jsonl", log_path=logs / "server.log")
+        server = _start_own_tool_server(cfg, run_dir)
         atexit.register(server.stop)
         _SERVERS[key] = server
         url = server.url
@@ -147,6 +138,44 @@ def tool_client(cfg: RunConfig, run_dir: str | Path):
                             seed=seed_for(cfg.seed, "tool-client"), journal_path=logs / "client-faults.jsonl")
     _CLIENTS[key] = client
     return client
+
+
+def _start_own_tool_server(cfg: RunConfig, run_dir: str | Path):
+    from gyms.launcher import start_tool_server
+    from gyms.server import FaultConfig
+
+    ts = cfg.gym.tool_server
+    logs = RunDir(run_dir).tool_server_logs()
+    logs.mkdir(parents=True, exist_ok=True)
+    faults = None
+    if ts.faults.rate > 0:
+        # an injected "timeout" must outlast the client's per-attempt timeout to be one
+        faults = FaultConfig(rate=ts.faults.rate, kinds=tuple(ts.faults.kinds), seed=ts.faults.seed,
+                             timeout_s=ts.timeout_s + 1.0)
+    return start_tool_server(tool_server_factory_path(cfg.gym.name),
+                             {"max_turns": cfg.gym.max_turns, **cfg.gym.options}, faults=faults,
+                             fault_log=logs / "faults.jsonl", log_path=logs / "server.log")
+
+
+def restart_dead_tool_server(cfg: RunConfig, run_dir: str | Path) -> bool:
+    """If the tool server this run started has died, start a new one and point the run's client at it (the next
+    attempt of the failed stage then finds it); True when it did. A server given by `tool_server.url` is the
+    user's to restart: nothing is done for it."""
+    import atexit
+    import logging
+
+    key = (str(Path(run_dir).resolve()), config_hash(cfg, "gym"))
+    old = _SERVERS.get(key)
+    if old is None or old.alive():
+        return False
+    new = _start_own_tool_server(cfg, run_dir)
+    atexit.register(new.stop)
+    _SERVERS[key] = new
+    if key in _CLIENTS:
+        _CLIENTS[key].retarget(new.url)
+    logging.getLogger("lgrpo.gym").warning("the run's tool server (pid %s) had died; restarted it at %s (pid %s)",
+                                           old.pid, new.url, new.pid)
+    return True
 
 
 def reward_functions(cfg: RunConfig) -> list[tuple[str, object]]:

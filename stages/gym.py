@@ -23,7 +23,8 @@ from artifacts.tables import write_state
 from engine.chat import observation_block
 from gyms.protocol import REASON_ANSWER, REASON_BUDGET, Task
 from gyms.trace import write_trace
-from stages.context import episode_pool, reward_functions, run_config, timer
+from gyms.service import ToolTransportError
+from stages.context import episode_pool, restart_dead_tool_server, reward_functions, run_config, timer
 
 
 def answer_correct(res) -> bool:
@@ -142,8 +143,13 @@ def run_gym(run_dir: str, step: int, turn: int, state_in: str, turn_in: str, bas
             return new
 
         workers = cfg.gym.tool_server.concurrency if cfg.gym.transport == "http" else 1
-        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(active) or 1))) as ex:
-            advanced = {n["row"]: n for n in ex.map(work, active)}
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, min(workers, len(active) or 1))) as ex:
+                advanced = {n["row"]: n for n in ex.map(work, active)}
+        except ToolTransportError:
+            # the stage fails (its task retries); if the run's own tool server died, the retry finds a new one
+            restart_dead_tool_server(cfg, run_dir)
+            raise
         finished_now = [advanced[r["row"]] for r in active if advanced[r["row"]]["done"]]
         apply_reward_funcs(reward_functions(cfg), finished_now)
         rows = [advanced.get(r["row"], dict(r, observation="", tool_error=False, turn_reward=0.0,

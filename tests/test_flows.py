@@ -224,3 +224,36 @@ def test_train_parameters_are_a_typed_form_validated_before_the_run(prefect_harn
     assert state.is_failed() and "64 or 128" in state.message, state
     assert not (tmp_path / "run").exists()  # nothing started
     assert _task_runs(state.state_details.flow_run_id) == []
+
+
+def test_run_gym_retries_through_prefect_when_the_tool_server_is_down(prefect_harness, tmp_path):
+    """Issue 15: the run's tool server is down when run-gym starts (its process was stopped; the client gives up at
+    once). The attempt fails, the stage restarts the run's dead server, and Prefect's retry completes the task
+    against it: the task's state history shows the retry, and the step's rollouts are bit-identical to the
+    undisturbed run's."""
+    from prefect import get_client
+
+    from artifacts import RunDir, verify
+    from flows.step import grpo_step
+    from stages import context
+
+    run_dir = make_run(tmp_path / "run", **{"gym.name": "research", "gym.max_turns": 2,
+                                            "gym.options": {"n_entities": 8}, "gym.transport": "http",
+                                            "gym.tool_server.max_attempts": 1, "gates.probe_every": 1000})
+    assert grpo_step(run_dir, 0, return_state=True).is_completed()
+    undisturbed = verify(RunDir(run_dir).rollouts(0))
+    servers = [s for k, s in context._SERVERS.items() if k[0] == str((tmp_path / "run").resolve())]
+    assert len(servers) == 1
+    servers[0].stop()  # the server goes down; the run's client still points at it
+
+    state = grpo_step(run_dir, 0, force_from="run-gym", return_state=True)
+    assert state.is_completed(), state
+    runs = {r.name: r for r in _task_runs(state.state_details.flow_run_id)}
+    first = runs["run-gym-0-0"]
+    assert first.run_count == 2 and first.state.name == "Completed", (first.run_count, first.state)
+    with get_client(sync_client=True) as client:
+        history = [s.name for s in client.read_task_run_states(first.id)]
+    assert "AwaitingRetry" in history and history[-1] == "Completed", history
+    new = [s for k, s in context._SERVERS.items() if k[0] == str((tmp_path / "run").resolve())]
+    assert new[0] is not servers[0] and new[0].alive()
+    assert verify(RunDir(run_dir).rollouts(0)) == undisturbed

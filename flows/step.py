@@ -23,6 +23,16 @@ STAGES = ["export", "sample-tasks", "generate-turn", "run-gym", "collect-rollout
 Stage = Literal["export", "sample-tasks", "generate-turn", "run-gym", "collect-rollouts", "replay", "optimize", "probe"]
 
 
+def step_flow_settings():
+    """The settings the train and rerun flows run their `grpo-step` subflows under: no heartbeat thread of their own.
+    The run's top flow keeps Prefect's heartbeat (crash detection); a step flow's own heartbeat thread sleeps in 1-s
+    slices and Prefect joins it when the flow ends, which cost up to a second of every step (bench/trl_compare.py).
+    One context for all of a run's steps (building settings costs ~0.1 s)."""
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    return temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
+
+
 def probe_due(cfg, step: int) -> bool:
     """The teacher-forced probe runs every `gates.probe_every` steps and after the last step."""
     return (step + 1) % cfg.gates.probe_every == 0 or step == cfg.steps.total - 1

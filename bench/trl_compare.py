@@ -1,0 +1,150 @@
+"""Orchestration cost against TRL's GRPOTrainer on the same tiny single-turn work (issue 15).
+
+    python bench/trl_compare.py [--steps 2 10] [--json F]
+
+Both arms: the embedded default's tiny hybrid (the same bootstrapped base, FP32, CPU, one thread), LoRA r16 on the
+same targets, one model turn of up to 32 answer tokens and no latent thoughts, 2 groups of 4 completions per step,
+the same learning rate, a reward that does not need a tool (the answer's length in characters / 100: no gym work on
+either side).
+
+- TRL: `trl.GRPOTrainer` (transformers' `generate`, its loss, AdamW) on prompts of the table gym's questions.
+- This project: `grpo_step` flows through Prefect as the train flow runs them (a temporary local API server, every
+  task, cache, artifact and gate), `gym.max_turns: 1`, `latent.max_latent_steps: 0`, fresh steps only.
+
+The step time of each arm is the marginal wall time between a short and a long run of the same arm
+((wall(long) - wall(short)) / (long - short)) after a discarded 1-step warm-up run: set-up, model loads and
+first-call costs cancel. For this project the
+stages' own seconds (measured inside them) are subtracted from its step time to give the orchestration cost.
+Prints both step times, their ratio and the orchestration share; the target is this project <= 1.5x TRL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+os.environ.setdefault("LGRPO_CACHE_DIR", "off")
+
+LR = 2e-3
+GROUPS, GEN, MAX_TOKENS = 2, 4, 32
+
+
+def length_reward(completions, **kwargs) -> list[float]:
+    """A user reward function (TRL's signature): the answer's length / 100."""
+    return [len(c if isinstance(c, str) else str(c)) / 100.0 for c in completions]
+
+
+def project_overrides(run_dir: Path) -> dict:
+    return {"run_dir": str(run_dir), "threads": 1, "bootstrap.episodes": 64, "gym.max_turns": 1,
+            "latent.max_latent_steps": 0, "grpo.groups_per_step": GROUPS, "grpo.num_generations": GEN,
+            "sampler.max_answer_tokens": MAX_TOKENS, "optimizer.lr": LR, "steps.pattern": ["fresh"],
+            "gym.reward_funcs": ["bench.trl_compare:length_reward"], "gym.eval_tasks": 1,
+            "gates.probe_every": 100000, "steps.total": 100000}
+
+
+def prepared_run(root: Path) -> str:
+    from configs.schema import load_config
+    from stages.prepare import init_run_dir, prepare_run
+
+    rd = init_run_dir(load_config("tiny", project_overrides(root / "project")))
+    prepare_run(str(rd.root))
+    return str(rd.root)
+
+
+def project_arm(run_dir: str, steps: int) -> dict:
+    """`steps` fresh steps through Prefect, from a copy of the prepared run; wall time and stage seconds."""
+    import shutil
+
+    from flows.step import grpo_step, step_flow_settings
+
+    copy = f"{run_dir}-{steps}"
+    if Path(copy).exists():
+        shutil.rmtree(copy)
+    shutil.copytree(run_dir, copy)
+    t0 = time.perf_counter()
+    stage = 0.0
+    with step_flow_settings():  # as the train flow runs its step subflows
+        for s in range(steps):
+            m = grpo_step(copy, s)
+            stage += sum(m["phases"].values())
+    return {"wall_s": time.perf_counter() - t0, "stage_s": stage}
+
+
+def trl_arm(base_dir: str, cfg, steps: int, out: Path) -> dict:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoTokenizer, Qwen3_5ForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    from engine.chat import first_prompt
+    from stages.context import env_factory
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    model = Qwen3_5ForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    env = env_factory(cfg, out)()
+    prompts = [first_prompt(t.question) for t in env.sample_tasks(GROUPS * steps, seed=0)]
+    args = GRPOConfig(output_dir=str(out / f"trl-{steps}"), per_device_train_batch_size=GROUPS * GEN,
+                      num_generations=GEN, max_completion_length=MAX_TOKENS, max_steps=steps, learning_rate=LR,
+                      logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, bf16=False,
+                      temperature=cfg.sampler.temperature, seed=0, dataloader_num_workers=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=length_reward, args=args,
+                          train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok,
+                          peft_config=LoraConfig(r=cfg.adapter.rank, lora_alpha=cfg.adapter.alpha,
+                                                 target_modules=list(cfg.adapter.targets)))
+    t0 = time.perf_counter()
+    trainer.train()
+    return {"wall_s": time.perf_counter() - t0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, nargs=2, default=[2, 10])
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    root = Path(tempfile.mkdtemp(prefix="lgrpo-trl-"))
+    run_dir = prepared_run(root)
+    from artifacts import read_json
+    from stages.context import run_config
+
+    cfg = run_config(run_dir)
+    base = read_json(f"{run_dir}/prepared.json")["base"]
+    short, long = a.steps
+    from flows.api_server import api_server
+
+    res = {}
+    with api_server():
+        project_arm(run_dir, 1)  # warm-up (imports, Prefect client, first-call costs), discarded
+        p = {n: project_arm(run_dir, n) for n in (short, long)}
+    trl_arm(base, cfg, 1, root / "warm")  # warm-up, discarded
+    t = {n: trl_arm(base, cfg, n, root) for n in (short, long)}
+    proj_step = (p[long]["wall_s"] - p[short]["wall_s"]) / (long - short)
+    proj_stage = (p[long]["stage_s"] - p[short]["stage_s"]) / (long - short)
+    trl_step = (t[long]["wall_s"] - t[short]["wall_s"]) / (long - short)
+    res = {"steps": a.steps, "trl_step_s": round(trl_step, 3), "project_step_s": round(proj_step, 3),
+           "project_stage_s": round(proj_stage, 3), "orchestration_s": round(proj_step - proj_stage, 3),
+           "orchestration_share": round((proj_step - proj_stage) / proj_step, 3),
+           "ratio_project_vs_trl": round(proj_step / trl_step, 3), "target_ratio": 1.5, "raw": {"project": p, "trl": t}}
+    print(f"TRL GRPOTrainer: {trl_step:.3f} s/step | this project: {proj_step:.3f} s/step "
+          f"(stages {proj_stage:.3f} s, orchestration {proj_step - proj_stage:.3f} s = "
+          f"{100 * res['orchestration_share']:.0f}%) | ratio {res['ratio_project_vs_trl']:.2f} (target <= 1.5)")
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -119,7 +119,7 @@ def _artifact_keys() -> set[str]:
 def test_every_gate_fails_its_task_visibly(prefect_harness, tmp_path, monkeypatch):
     """Issue 15: each gate that a stage checks, failed by a real defect injected under it, fails its Prefect task
     at once (no retry, though the task has retries), attaches the gate's report as an artifact, and stops the step.
-    (rollout-parity: test above; teacher-forced-probe: test_gates.py with the same report path.)"""
+    (rollout-parity and teacher-forced-probe: their own tests in this file.)"""
     import torch
 
     from engine import runtime
@@ -257,3 +257,36 @@ def test_run_gym_retries_through_prefect_when_the_tool_server_is_down(prefect_ha
     new = [s for k, s in context._SERVERS.items() if k[0] == str((tmp_path / "run").resolve())]
     assert new[0] is not servers[0] and new[0].alive()
     assert verify(RunDir(run_dir).rollouts(0)) == undisturbed
+
+
+def test_teacher_forced_probe_gate_fails_its_task_with_report_and_diagnostic(prefect_harness, tmp_path):
+    """The probe gate through Prefect: the sampler combines DoRA in two roundings (the seed's vLLM bug, injected in
+    the sampler only); the probe task fails at once (no retry), with the gate's report and the diagnostic's verdict
+    as artifacts."""
+    import types
+
+    from artifacts import read_json
+    from engine import runtime
+    from engine.diagnose import adapter_modules
+    from flows import tasks as T
+    from stages.context import run_config
+    from stages.export import export_base
+    from tests.test_gates import _round_twice, trained_like_adapter
+
+    runtime.clear()
+    run_dir = make_run(tmp_path / "run", **{"adapter.type": "dora", "model.dtype": "bfloat16"})
+    adapter = trained_like_adapter(run_dir, tmp_path / "adapter")
+    base = read_json(f"{run_dir}/prepared.json")["base"]
+    export = export_base(run_dir, base)["path"]
+    sampler = runtime.sampler(run_config(run_dir), export, base)
+    for module in adapter_modules(sampler.model).values():
+        module.forward = types.MethodType(_round_twice, module)
+    state = T.probe(run_dir, 3, adapter, export, base, return_state=True)
+    runtime.clear()
+    assert state.is_failed() and "teacher-forced-probe" in state.message, state
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        tr = client.read_task_run(state.state_details.task_run_id)
+    assert tr.run_count == 1, "a failed gate is not retried"
+    assert {"step-0003-gate-teacher-forced-probe", "step-0003-diagnostic"} <= _artifact_keys()

@@ -21,6 +21,7 @@ Prints both step times, their ratio and the orchestration share; the target is t
 from __future__ import annotations
 
 import argparse
+from contextlib import contextmanager
 import json
 import os
 import sys
@@ -61,23 +62,38 @@ def prepared_run(root: Path) -> str:
     return str(rd.root)
 
 
-def project_arm(run_dir: str, steps: int) -> dict:
-    """`steps` fresh steps through Prefect, from a copy of the prepared run; wall time and stage seconds."""
+def project_arm(run_dir: str, steps: int, step_heartbeats: bool = False) -> dict:
+    """`steps` fresh steps through Prefect, from a copy of the prepared run, as the train flow runs them (step
+    subflows of one parent flow); wall time and stage seconds."""
     import shutil
 
-    from flows.step import grpo_step, step_flow_settings
+    from prefect import flow
 
-    copy = f"{run_dir}-{steps}"
+    from flows.step import grpo_step, step_flows
+
+    copy = f"{run_dir}-{steps}{'-hb' if step_heartbeats else ''}"
     if Path(copy).exists():
         shutil.rmtree(copy)
     shutil.copytree(run_dir, copy)
+
+    @flow(name="trl-compare-steps")
+    def steps_flow() -> float:
+        stage = 0.0
+        with (_default_settings(grpo_step) if step_heartbeats else step_flows()) as step_flow:
+            for s in range(steps):
+                m = step_flow(copy, s)
+                stage += sum(m["phases"].values())
+        return stage
+
     t0 = time.perf_counter()
-    stage = 0.0
-    with step_flow_settings():  # as the train flow runs its step subflows
-        for s in range(steps):
-            m = grpo_step(copy, s)
-            stage += sum(m["phases"].values())
+    stage = steps_flow()
     return {"wall_s": time.perf_counter() - t0, "stage_s": stage}
+
+
+@contextmanager
+def _default_settings(step_flow):
+    """The step flows with Prefect's defaults (their own heartbeat thread): the layout before step_flows()."""
+    yield step_flow
 
 
 def trl_arm(base_dir: str, cfg, steps: int, out: Path) -> dict:
@@ -112,6 +128,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, nargs=2, default=[2, 10])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--with-heartbeats", action="store_true",
+                    help="also time the step flows with their own heartbeat threads (Prefect's default)")
     a = ap.parse_args()
     import torch
 
@@ -130,6 +148,7 @@ def main() -> None:
     with api_server():
         project_arm(run_dir, 1)  # warm-up (imports, Prefect client, first-call costs), discarded
         p = {n: project_arm(run_dir, n) for n in (short, long)}
+        hb = {n: project_arm(run_dir, n, step_heartbeats=True) for n in (short, long)} if a.with_heartbeats else None
     trl_arm(base, cfg, 1, root / "warm")  # warm-up, discarded
     t = {n: trl_arm(base, cfg, n, root) for n in (short, long)}
     proj_step = (p[long]["wall_s"] - p[short]["wall_s"]) / (long - short)
@@ -139,6 +158,11 @@ def main() -> None:
            "project_stage_s": round(proj_stage, 3), "orchestration_s": round(proj_step - proj_stage, 3),
            "orchestration_share": round((proj_step - proj_stage) / proj_step, 3),
            "ratio_project_vs_trl": round(proj_step / trl_step, 3), "target_ratio": 1.5, "raw": {"project": p, "trl": t}}
+    if hb:
+        hb_step = (hb[long]["wall_s"] - hb[short]["wall_s"]) / (long - short)
+        res["project_step_with_step_heartbeats_s"] = round(hb_step, 3)
+        res["raw"]["project_with_step_heartbeats"] = hb
+        print(f"this project with each step flow's own heartbeat thread (Prefect's default): {hb_step:.3f} s/step")
     print(f"TRL GRPOTrainer: {trl_step:.3f} s/step | this project: {proj_step:.3f} s/step "
           f"(stages {proj_stage:.3f} s, orchestration {proj_step - proj_stage:.3f} s = "
           f"{100 * res['orchestration_share']:.0f}%) | ratio {res['ratio_project_vs_trl']:.2f} (target <= 1.5)")

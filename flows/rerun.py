@@ -9,7 +9,7 @@ from uuid import UUID
 from prefect import flow, get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-from flows.step import Stage, grpo_step, step_flow_settings
+from flows.step import Stage, step_flows
 
 
 def task_states(flow_run_id: UUID) -> dict[str, str]:
@@ -21,8 +21,8 @@ def task_states(flow_run_id: UUID) -> dict[str, str]:
 
 @flow(name="lgrpo-rerun-stage", log_prints=True)
 def rerun_stage(run_dir: str, step: int, stage: Stage | None = None) -> dict:
-    with step_flow_settings():
-        state = grpo_step(run_dir, step, force_from=stage, return_state=True)
+    with step_flows() as step_flow:
+        state = step_flow(run_dir, step, force_from=stage, return_state=True)
     states = task_states(state.state_details.flow_run_id)
     print("task states: " + ", ".join(f"{k}={v}" for k, v in states.items()))
     return state.result() | {"task_states": states}

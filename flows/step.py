@@ -8,6 +8,7 @@ Prefect artifacts (keys `step-NNNN-timings`, `step-NNNN-metrics`, `step-NNNN-par
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
@@ -23,14 +24,16 @@ STAGES = ["export", "sample-tasks", "generate-turn", "run-gym", "collect-rollout
 Stage = Literal["export", "sample-tasks", "generate-turn", "run-gym", "collect-rollouts", "replay", "optimize", "probe"]
 
 
-def step_flow_settings():
-    """The settings the train and rerun flows run their `grpo-step` subflows under: no heartbeat thread of their own.
-    The run's top flow keeps Prefect's heartbeat (crash detection); a step flow's own heartbeat thread sleeps in 1-s
-    slices and Prefect joins it when the flow ends, which cost up to a second of every step (bench/trl_compare.py).
-    One context for all of a run's steps (building settings costs ~0.1 s)."""
+@contextmanager
+def step_flows():
+    """The `grpo-step` flow as the train and rerun flows run it, for all of a run's steps (one context: building
+    settings costs ~0.1 s): without a heartbeat thread of its own. The run's top flow keeps Prefect's heartbeat
+    (crash detection); a step flow's own thread sleeps in 1-s slices and Prefect joins it when the flow ends, which
+    cost up to a second of every step (bench/trl_compare.py measures what is left)."""
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
-    return temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        yield grpo_step
 
 
 def probe_due(cfg, step: int) -> bool:
@@ -38,10 +41,27 @@ def probe_due(cfg, step: int) -> bool:
     return (step + 1) % cfg.gates.probe_every == 0 or step == cfg.steps.total - 1
 
 
+OUTPUT_KEYS = ("path", "adapter", "optimizer")  # where a stage's summary names the artifacts it wrote
+
+
 def _run(task, stage: str, force_from: str | None, *args) -> dict:
-    """Run a stage task; its summary says whether Prefect returned it from the cache (it then cost no time)."""
+    """Run a stage task; its summary says whether Prefect returned it from the cache (it then cost no time).
+
+    A cached summary whose artifacts are gone from the run directory (deleted by hand, a copied or restored run
+    directory) is not trusted: the stage runs again, with a warning, instead of the next stage failing on a
+    missing input."""
     state = _refresh(task, stage, force_from)(*args, return_state=True)
-    return state.result() | {"cached": state.name == "Cached"}  # result() re-raises a failed task's error
+    result = state.result()  # re-raises a failed task's error
+    if state.name == "Cached":
+        missing = [str(result[k]) for k in OUTPUT_KEYS if isinstance(result.get(k), str) and not Path(result[k]).exists()]
+        if missing:
+            from prefect.logging import get_run_logger
+
+            get_run_logger().warning("stage %s: the cached result names artifacts that are missing (%s); running it "
+                                     "again", stage, ", ".join(missing))
+            state = task.with_options(refresh_cache=True)(*args, return_state=True)
+            result = state.result()
+    return result | {"cached": state.name == "Cached"}
 
 
 def _refresh(task, stage: str, force_from: str | None):

@@ -290,3 +290,22 @@ def test_teacher_forced_probe_gate_fails_its_task_with_report_and_diagnostic(pre
         tr = client.read_task_run(state.state_details.task_run_id)
     assert tr.run_count == 1, "a failed gate is not retried"
     assert {"step-0003-gate-teacher-forced-probe", "step-0003-diagnostic"} <= _artifact_keys()
+
+
+def test_a_cached_stage_whose_artifact_was_deleted_runs_again(prefect_harness, tmp_path):
+    """Prefect's cache key covers the inputs, not the outputs: a stage whose stored output was deleted would come
+    back Cached and the next stage would fail on a missing file. It runs again instead, bit-identically."""
+    from artifacts import RunDir, verify
+    from flows.step import grpo_step
+
+    run_dir = make_run(tmp_path / "run", **{"gates.probe_every": 1000})
+    assert grpo_step(run_dir, 0, return_state=True).is_completed()
+    tasks = RunDir(run_dir).tasks(0)
+    before = verify(tasks)
+    tasks.unlink()
+    tasks.with_name(tasks.name + ".sha256").unlink()
+    state = grpo_step(run_dir, 0, return_state=True)
+    assert state.is_completed(), state
+    st = _states(state)
+    assert st["sample-tasks-0"] == "Completed" and st["optimize-0"] == "Cached", st
+    assert verify(tasks) == before

@@ -43,7 +43,10 @@ class Progress:
 
     def _emit(self, text: str) -> None:
         self.lines.append(text)
-        print(text, file=sys.stderr, flush=True)
+        # sys.stderr.write, not print: flows with log_prints=True turn print() (to stdout or stderr) into INFO records
+        # of the run logger, which the CLI's console shows only with -v
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
         try:
             from prefect.context import TaskRunContext
             from prefect.logging import get_run_logger

@@ -25,3 +25,24 @@ def test_bootstrap_prints_progress_when_its_output_is_a_file(tmp_path, monkeypat
     assert lines and "(100%)" in lines[-1], err[-2000:]
     n = int(lines[-1].split(": ")[1].split("/")[0])
     assert len(lines) == n and lines[0].startswith(f"bootstrap-base: 1/{n} updates")  # every update at 0 s
+
+
+def test_progress_lines_reach_stderr_inside_a_flow_with_log_prints(prefect_harness, capfd):
+    """The train flow has log_prints=True, which turns print() into INFO log records the CLI hides without -v: the
+    bootstrap ran four minutes without a line in README command 1's output until progress wrote to stderr itself."""
+    from prefect import flow, task
+
+    @task
+    def work() -> list[str]:
+        p = Progress("bootstrap-base", 2, "updates", every_s=0)
+        p.update()
+        p.update()
+        return p.lines
+
+    @flow(log_prints=True)
+    def run() -> list[str]:
+        return work()
+
+    lines = run()
+    err = capfd.readouterr().err
+    assert all(line in err.splitlines() for line in lines), err[-2000:]  # as plain lines, not log records

@@ -41,6 +41,11 @@ class Progress:
             self.last = now
             self._emit(self.line(now))
 
+    def finish(self) -> None:
+        """Work that ended early (every episode done before the last turn): the closing line, as complete."""
+        if self.done < self.total:
+            self.update(self.total - self.done)
+
     def _emit(self, text: str) -> None:
         self.lines.append(text)
         # sys.stderr.write, not print: flows with log_prints=True turn print() (to stdout or stderr) into INFO records

@@ -36,6 +36,7 @@ def evaluate(run_dir: str, tag: str, adapter_in: str, export_in: str, base_in: s
             state = gr["path"]
             progress.update()
             if gr["all_done"]:
+                progress.finish()
                 break
         final = read_table(state).to_pylist()
         n = len(final)

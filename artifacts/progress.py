@@ -9,6 +9,7 @@ run logger at INFO, so the UI shows them too. Torch-free."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -52,11 +53,15 @@ class Progress:
         # of the run logger, which the CLI's console shows only with -v
         sys.stderr.write(text + "\n")
         sys.stderr.flush()
-        try:
-            from prefect.context import TaskRunContext
-            from prefect.logging import get_run_logger
+        task_log(logging.INFO, text)
 
-            if TaskRunContext.get() is not None:
-                get_run_logger().info(text)
-        except ImportError:  # Prefect is optional for the stages
-            pass
+
+def task_log(level: int, text: str) -> None:
+    """Also log `text` to the running Prefect task's log (the UI shows it); nothing outside a task."""
+    try:
+        from prefect.context import TaskRunContext
+        from prefect.logging import get_run_logger
+    except ImportError:  # Prefect is optional for the stages
+        return
+    if TaskRunContext.get() is not None:
+        get_run_logger().log(level, text)

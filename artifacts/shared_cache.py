@@ -15,6 +15,7 @@ import shutil
 import uuid
 from pathlib import Path
 
+from artifacts.progress import task_log
 from artifacts.store import ArtifactError, dir_digest
 
 log = logging.getLogger("lgrpo.cache")
@@ -30,14 +31,7 @@ def cache_root() -> Path | None:
 
 def _warn(msg: str) -> None:
     log.warning(msg)
-    try:
-        from prefect.context import TaskRunContext
-        from prefect.logging import get_run_logger
-
-        if TaskRunContext.get() is not None:
-            get_run_logger().warning(msg)
-    except ImportError:
-        pass
+    task_log(logging.WARNING, msg)
 
 
 def _copy_dir(src: Path, dst: Path) -> None:

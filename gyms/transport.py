@@ -91,20 +91,22 @@ def _object_reply(body: bytes) -> dict[str, Any]:
     return obj
 
 
+def _parse_url(url: str) -> tuple[str, str, int, str]:
+    """url, host, port, path prefix of a tool server's ``http://HOST:PORT[/prefix]``."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"HttpToolClient: url must look like http://HOST:PORT, got {url!r}")
+    return url.rstrip("/"), parts.hostname, parts.port or 80, parts.path.rstrip("/")
+
+
 class HttpToolClient:
     """A ``ToolClient`` for the HTTP tool server at ``url`` (e.g. ``http://127.0.0.1:8731``)."""
 
     def __init__(self, url: str, timeout_s: float = 5.0, max_attempts: int = 6, backoff_base_s: float = 0.1,
                  backoff_max_s: float = 5.0, seed: int | None = None, journal_path: str | Path | None = None) -> None:
-        parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"HttpToolClient: url must look like http://HOST:PORT, got {url!r}")
+        self.url, self.host, self.port, self.prefix = _parse_url(url)
         if timeout_s <= 0 or max_attempts < 1 or backoff_base_s < 0 or backoff_max_s < 0:
             raise ValueError("HttpToolClient: timeout_s > 0, max_attempts >= 1 and backoffs >= 0 are required")
-        self.url = url.rstrip("/")
-        self.host = parts.hostname
-        self.port = parts.port or 80
-        self.prefix = parts.path.rstrip("/")
         self.timeout_s = float(timeout_s)
         self.max_attempts = int(max_attempts)
         self.backoff_base_s = float(backoff_base_s)
@@ -117,12 +119,9 @@ class HttpToolClient:
 
     def retarget(self, url: str) -> None:
         """Point the client at another server (the run's restarted tool server); calls in flight keep the old one."""
-        parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"HttpToolClient: url must look like http://HOST:PORT, got {url!r}")
+        parsed = _parse_url(url)
         with self._lock:
-            self.url, self.host, self.port = url.rstrip("/"), parts.hostname, parts.port or 80
-            self.prefix = parts.path.rstrip("/")
+            self.url, self.host, self.port, self.prefix = parsed
 
     # -- the ToolClient protocol ------------------------------------------------------------------------------
 

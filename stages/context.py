@@ -95,11 +95,16 @@ _SERVERS: dict[tuple[str, str], object] = {}
 _CLIENTS: dict[tuple[str, str], object] = {}
 
 
+def _gym_key(cfg: RunConfig, run_dir: str | Path) -> tuple[str, str]:
+    """Key of a run's live gym objects in this process (pool, tool server, client)."""
+    return str(Path(run_dir).resolve()), config_hash(cfg, "gym")
+
+
 def episode_pool(cfg: RunConfig, run_dir: str | Path):
     """This process's live environments of the run (see ``gyms.episodes.EnvPool``)."""
     from gyms.episodes import EnvPool
 
-    key = (str(Path(run_dir).resolve()), config_hash(cfg, "gym"))
+    key = _gym_key(cfg, run_dir)
     if key not in _POOLS:
         _POOLS[key] = EnvPool(env_factory(cfg, run_dir))
     return _POOLS[key]
@@ -117,22 +122,17 @@ def tool_server_factory_path(name: str) -> str:
 
 def tool_client(cfg: RunConfig, run_dir: str | Path):
     """The run's HTTP tool client; starts the run's tool server on 127.0.0.1 unless ``tool_server.url`` is set."""
-    import atexit
-
     from gyms.transport import HttpToolClient
 
     ts = cfg.gym.tool_server
-    key = (str(Path(run_dir).resolve()), config_hash(cfg, "gym"))
+    key = _gym_key(cfg, run_dir)
     if key in _CLIENTS:
         return _CLIENTS[key]
     logs = RunDir(run_dir).tool_server_logs()
     logs.mkdir(parents=True, exist_ok=True)
     url = ts.url
     if url is None:
-        server = _start_own_tool_server(cfg, run_dir)
-        atexit.register(server.stop)
-        _SERVERS[key] = server
-        url = server.url
+        url = _start_own_tool_server(cfg, run_dir).url
     client = HttpToolClient(url, timeout_s=ts.timeout_s, max_attempts=ts.max_attempts,
                             backoff_base_s=ts.backoff_base_s, backoff_max_s=ts.backoff_max_s,
                             seed=seed_for(cfg.seed, "tool-client"), journal_path=logs / "client-faults.jsonl")
@@ -141,6 +141,9 @@ def tool_client(cfg: RunConfig, run_dir: str | Path):
 
 
 def _start_own_tool_server(cfg: RunConfig, run_dir: str | Path):
+    """Start the run's own tool server, stopped at exit, and record it as the run's."""
+    import atexit
+
     from gyms.launcher import start_tool_server
     from gyms.server import FaultConfig
 
@@ -152,29 +155,32 @@ def _start_own_tool_server(cfg: RunConfig, run_dir: str | Path):
         # an injected "timeout" must outlast the client's per-attempt timeout to be one
         faults = FaultConfig(rate=ts.faults.rate, kinds=tuple(ts.faults.kinds), seed=ts.faults.seed,
                              timeout_s=ts.timeout_s + 1.0)
-    return start_tool_server(tool_server_factory_path(cfg.gym.name),
-                             {"max_turns": cfg.gym.max_turns, **cfg.gym.options}, faults=faults,
-                             fault_log=logs / "faults.jsonl", log_path=logs / "server.log")
+    server = start_tool_server(tool_server_factory_path(cfg.gym.name),
+                               {"max_turns": cfg.gym.max_turns, **cfg.gym.options}, faults=faults,
+                               fault_log=logs / "faults.jsonl", log_path=logs / "server.log")
+    atexit.register(server.stop)
+    _SERVERS[_gym_key(cfg, run_dir)] = server
+    return server
 
 
 def restart_dead_tool_server(cfg: RunConfig, run_dir: str | Path) -> bool:
     """If the tool server this run started has died, start a new one and point the run's client at it (the next
     attempt of the failed stage then finds it); True when it did. A server given by `tool_server.url` is the
     user's to restart: nothing is done for it."""
-    import atexit
     import logging
 
-    key = (str(Path(run_dir).resolve()), config_hash(cfg, "gym"))
+    from artifacts.progress import task_log
+
+    key = _gym_key(cfg, run_dir)
     old = _SERVERS.get(key)
     if old is None or old.alive():
         return False
     new = _start_own_tool_server(cfg, run_dir)
-    atexit.register(new.stop)
-    _SERVERS[key] = new
     if key in _CLIENTS:
         _CLIENTS[key].retarget(new.url)
-    logging.getLogger("lgrpo.gym").warning("the run's tool server (pid %s) had died; restarted it at %s (pid %s)",
-                                           old.pid, new.url, new.pid)
+    msg = f"the run's tool server (pid {old.pid}) had died; restarted it at {new.url} (pid {new.pid})"
+    logging.getLogger("lgrpo.gym").warning(msg)
+    task_log(logging.WARNING, msg)
     return True
 
 

@@ -396,7 +396,12 @@ class RunConfig(_Strict):
             raise ValueError("sampler.mtp_tokens / prefix_caching / attention_backend are vLLM engine settings; the "
                              "hf sampler has none of them: remove them or set sampler.kind: vllm")
         if self.model.source == "pretrained" and not self.model.path:
-            raise ValueError("model.source=pretrained needs model.path (a local checkpoint directory)")
+            raise ValueError("model.source=pretrained needs model.path, the local checkpoint directory: e.g. --set "
+                             "model.path=/path/to/Qwen3.5-27B (a Hugging Face snapshot with config.json and *.safetensors)")
+        if self.model.source == "pretrained" and self.bootstrap.enabled:
+            raise ValueError("model.source=pretrained trains the checkpoint as it is: the oracle warm-start is for the "
+                             "project's tiny model (a real checkpoint needs none). Set bootstrap.enabled: false "
+                             "(configs/pretrained.yaml does)")
         max_pos = self.model.arch.get("max_position_embeddings")
         if max_pos is not None and self.gym.token_budget + 256 > int(max_pos):
             raise ValueError(

@@ -136,7 +136,25 @@ def load_base(path: str | Path, dtype: str, device: str | torch.device = "cpu", 
     if m is not None:
         return build_random_on(m["arch"], m["vocab_size"], m["pad_id"], m["eos_id"], m["seed"], DTYPES[dtype],
                                device, m["std"], init=init, after_layer=after_layer)
-    return Qwen3_5ForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype]).to(device)
+    from artifacts.checkpoint import resolve
+
+    # a run's reference to a checkpoint used in place (checked unchanged first), or a checkpoint directory; a
+    # published Qwen3_5ForConditionalGeneration snapshot loads its text model (model.language_model.* keys, vision
+    # and MTP weights left out: transformers maps and ignores them)
+    return Qwen3_5ForCausalLM.from_pretrained(str(resolve(path)), dtype=DTYPES[dtype]).to(device)
+
+
+def mtp_tensors(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The multi-token-prediction head's tensors (`mtp.*`) of a checkpoint, as stored; {} when it has none."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(Path(checkpoint_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                if k.startswith("mtp."):
+                    out[k] = st.get_tensor(k)
+    return out
 
 
 FP32_ATTENTION = "lgrpo_sdpa_fp32"  # an attention implementation registered with transformers by use_fp32_attention
@@ -260,8 +278,20 @@ class Tokens:
 
     @classmethod
     def of(cls, tok) -> "Tokens":
-        ids = [tok.convert_tokens_to_ids(t) for t in (PAD, IM_END, THINK, ANSWER_OPEN)]
-        return cls(*ids)
+        """The ids in `tok`: the project's tokenizers have <|pad|>; a checkpoint's (Qwen) pads with its pad token
+        (<|endoftext|>)."""
+        from engine.chat import EOS, _token_id
+
+        pad = _token_id(tok, PAD)
+        if pad is None:
+            pad = tok.pad_token_id if tok.pad_token_id is not None else _token_id(tok, EOS)
+        ids = {"pad": pad, **{k: _token_id(tok, t) for k, t in
+                              (("eos", IM_END), ("think", THINK), ("answer_open", ANSWER_OPEN))}}
+        missing = [k for k, v in ids.items() if v is None]
+        if missing:
+            raise ValueError(f"the tokenizer has no single token for {missing} ({PAD} or a pad token, {IM_END}, "
+                             f"{THINK}, {ANSWER_OPEN}): the chat format needs them")
+        return cls(**ids)
 
 
 def embed_scale(model) -> float:

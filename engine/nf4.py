@@ -92,7 +92,9 @@ def load_base_nf4(path: str | Path, device: str = "cuda", names=QUANTIZED, doubl
         return load_base(path, "bfloat16", device,
                          after_layer=lambda layer: _quantize_modules_(layer, names, double_quant=double_quant))
     else:
-        model = Qwen3_5ForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, device_map={"": device})
+        from artifacts.checkpoint import resolve
+
+        model = Qwen3_5ForCausalLM.from_pretrained(str(resolve(path)), dtype=torch.bfloat16, device_map={"": device})
     quantize_nf4_(model, names=names, double_quant=double_quant)
     return model
 

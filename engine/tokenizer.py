@@ -35,7 +35,9 @@ def train_tokenizer(corpus: list[str], vocab_size: int, out_dir: str | Path) -> 
 def load_tokenizer(path: str | Path):
     from transformers import PreTrainedTokenizerFast
 
-    p = Path(path)
+    from artifacts.checkpoint import resolve
+
+    p = resolve(path)  # a run's reference to a checkpoint used in place: its own tokenizer
     if not (p / "tokenizer.json").exists():
         raise FileNotFoundError(f"no tokenizer at {p} (expected tokenizer.json); train one with engine.tokenizer.train_tokenizer")
     tok = PreTrainedTokenizerFast.from_pretrained(p)

@@ -9,6 +9,7 @@ from uuid import UUID
 from prefect import flow, get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+from artifacts import checkpoint
 from flows.step import Stage, step_flows
 
 
@@ -21,6 +22,7 @@ def task_states(flow_run_id: UUID) -> dict[str, str]:
 
 @flow(name="lgrpo-rerun-stage", log_prints=True)
 def rerun_stage(run_dir: str, step: int, stage: Stage | None = None) -> dict:
+    checkpoint.check_run(run_dir)  # a checkpoint used in place must be as the run recorded it
     with step_flows() as step_flow:
         state = step_flow(run_dir, step, force_from=stage, return_state=True)
     states = task_states(state.state_details.flow_run_id)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from artifacts import curves, write_json
+from artifacts import checkpoint, curves, write_json
 from configs.params import TrainParameters
 from configs.schema import load_config
 from flows import tasks as T
@@ -25,6 +25,7 @@ def train(params: TrainParameters = TrainParameters()) -> dict:
     check_device(cfg)  # before the bootstrap, not after it
     rd = init_run_dir(cfg)
     run_dir = str(rd.root)
+    checkpoint.check_run(run_dir)  # resuming: a checkpoint used in place must be as the run recorded it
     tok = T.prepare_tokenizer(run_dir)
     base = T.bootstrap_base(run_dir, tok["path"])
     init = T.init_adapter(run_dir, base["path"])

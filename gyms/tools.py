@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -167,6 +168,40 @@ def _decode_json(body: str) -> Any | ToolCallError:
         return ToolCallError("tool call JSON is nested too deeply")
 
 
+_XML_FUNCTION = "<function="
+_XML_CALL = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
+_XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+
+def _decode_xml(body: str, tools: Sequence[Tool]) -> dict | ToolCallError:
+    """Qwen3.5/3.6's tool-call form (their chat templates write calls this way):
+
+        <function=NAME>
+        <parameter=ARG>
+        VALUE
+        </parameter>
+        </function>
+
+    as {"name", "arguments"}. Values are text; a parameter the tool declares as integer, number or boolean is
+    read as JSON (``7`` -> 7), so the same argument checks apply as to the JSON form."""
+    m = _XML_CALL.fullmatch(body.strip())
+    if m is None:
+        return ToolCallError("tool call is neither a JSON object nor <function=NAME>...</function>")
+    name, inner = m.group(1).strip(), m.group(2)
+    arguments: dict[str, Any] = {}
+    for pm in _XML_PARAM.finditer(inner):
+        arguments[pm.group(1).strip()] = pm.group(2)
+    if _XML_PARAM.sub("", inner).strip():
+        return ToolCallError("text between <parameter=...> blocks of the tool call", tool_name=name)
+    spec = {t.name: t for t in tools}.get(name)
+    for key, value in list(arguments.items()):
+        kind = spec.properties.get(key, {}).get("type") if spec is not None else None
+        if kind in ("integer", "number", "boolean"):
+            decoded = _decode_json(value.strip())
+            arguments[key] = value if isinstance(decoded, ToolCallError) else decoded
+    return {"name": name, "arguments": arguments}
+
+
 def _check_type(value: Any, type_name: str) -> bool:
     if type_name == "string":
         return isinstance(value, str)
@@ -209,7 +244,7 @@ def parse_tool_call(text: str, tools: Sequence[Tool]) -> ToolCall | ToolCallErro
     body = _extract_body(text)
     if isinstance(body, ToolCallError):
         return body
-    payload = _decode_json(body)
+    payload = _decode_xml(body, tools) if body.startswith(_XML_FUNCTION) else _decode_json(body)
     if isinstance(payload, ToolCallError):
         return payload
     if not isinstance(payload, dict):

@@ -1,22 +1,21 @@
 """bootstrap-base: the base model GRPO starts from (cached, keyed by everything that determines it).
 
 A tiny hybrid built from the config and fine-tuned on the gym's oracle episodes (thoughts from its own latent loop
-as inputs), a `model.source: random` recipe the engines build on their device, or a local pretrained checkpoint
-imported as a sealed artifact. The oracle episodes also feed the tokenizer (stages/tokenizer.py).
+as inputs), a `model.source: random` recipe the engines build on their device, or a local pretrained checkpoint used
+in place: the run holds a sealed reference to it (artifacts/checkpoint.py), never a copy. The oracle episodes also feed the tokenizer (stages/tokenizer.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import random
 import shutil
 from pathlib import Path
 
-from artifacts import RunDir, dir_digest, seal_dir, sha256_file, write_json
+from artifacts import RunDir, dir_digest, seal_dir, write_json
 from artifacts import shared_cache
 from artifacts.progress import Progress
 from configs.schema import GymConfig, RunConfig, config_hash
-from engine.chat import first_prompt, observation_block
+from engine.chat import ChatFormat, tool_specs
 from stages import faults
 from stages.context import env_factory, run_config, timer
 
@@ -48,17 +47,18 @@ def preparation_config(cfg: RunConfig) -> RunConfig:
     return cfg.with_overrides(**{"gym.eval_tasks": GymConfig.model_fields["eval_tasks"].default})
 
 
-def _turn_examples(episodes: list[dict], tok) -> list[tuple[list[int], list[int]]]:
+def _turn_examples(episodes: list[dict], tok, tools: list[dict] | None = None) -> list[tuple[list[int], list[int]]]:
     """(prefix ids, answer ids) per model turn of each episode, built by concatenation as in generation."""
+    fmt = ChatFormat.of(tok)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     ex = []
     for e in episodes:
-        prefix = tok(first_prompt(e["question"]))["input_ids"]
+        prefix = tok(fmt.first_prompt(e["question"], tools))["input_ids"]
         for i, a in enumerate(e["answers"]):
             ans = tok(a)["input_ids"] + [eos]
             ex.append((prefix, ans))
             if i < len(e["observations"]):
-                prefix = prefix + ans + tok(observation_block(e["observations"][i]))["input_ids"]
+                prefix = prefix + ans + tok(fmt.observation_block(e["observations"][i]))["input_ids"]
     return ex
 
 
@@ -75,21 +75,23 @@ def bootstrap_base(run_dir: str, tok_dir: str) -> dict:
     set_threads(cfg.threads)
     out = {"stage": "bootstrap"}
     with timer(out):
-        if cfg.model.source == "pretrained":  # imported once as a sealed artifact (every reader verifies it)
-            src = Path(cfg.model.path)
-            files = sorted(f for f in src.rglob("*") if f.is_file() and not f.name.endswith(".sha256"))
-            if not files:
-                raise FileNotFoundError(f"model.path {src} holds no files: give a local checkpoint directory")
-            h = hashlib.sha256()
-            for f in files:
-                h.update(f.relative_to(src).as_posix().encode() + b"\0" + sha256_file(f).encode())
-            target = RunDir(run_dir).bootstrap_dir("pretrained-" + h.hexdigest()[:16])
-            cached = target.exists()
-            if cached:
-                dir_digest(target)
-            else:
-                seal_dir(src, target)
-            out.update(path=str(target), cached=cached, source=str(src.resolve()))
+        if cfg.model.source == "pretrained":  # used in place: hashed once, referenced, re-verified on every load
+            from artifacts import checkpoint
+
+            recorded = sorted(d for d in (RunDir(run_dir).root / "bootstrap").glob("pretrained-*")
+                              if (d / checkpoint.REF_NAME).is_file())
+            if recorded:  # a resumed run: its checkpoint must be as it recorded it (refused otherwise)
+                target = recorded[-1]
+                ref = checkpoint.read_ref(target)  # verifies the reference itself
+                now = checkpoint.check_unchanged(ref)
+                out.update(path=str(target), cached=True, source=ref["path"], digest=ref["digest"],
+                           files=len(ref["files"]), files_hashed=len(now["hashed"]))
+                return out
+            record = checkpoint.hash_checkpoint(cfg.model.path)
+            target = RunDir(run_dir).bootstrap_dir("pretrained-" + record["digest"][:16])
+            checkpoint.write_ref(target, record)
+            out.update(path=str(target), cached=False, source=record["path"], digest=record["digest"],
+                       files=len(record["files"]), files_hashed=len(record["hashed"]))
             return out
         tok = tokenizer(tok_dir)
         key = (config_hash(preparation_config(cfg), "model", "bootstrap", "latent", "gym", "tokenizer")[:12] + "-"
@@ -160,7 +162,8 @@ def _supervised(cfg, model, tok, toks) -> list[float]:
 
     bc = cfg.bootstrap
     episodes = oracle_episodes(cfg, bc.episodes, seed=cfg.gym.train_split_seed)
-    examples = _turn_examples(episodes, tok)
+    tools = tool_specs(env_factory(cfg)()) if ChatFormat.of(tok).template else None  # built-in format: no tools
+    examples = _turn_examples(episodes, tok, tools)
     rng = random.Random(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=bc.lr, weight_decay=0.0)

@@ -2,7 +2,8 @@
 
 The copy is in the sampler's compute dtype (BF16 for GPU configs; the tiny CPU default computes in FP32) and is
 produced by casting the trainer's base weights once, so both engines start from identical values. An NF4 base
-is dequantized here once (GPU issue), never per decode step.
+is dequantized here once (GPU issue), never per decode step. A checkpoint used in place (artifacts/checkpoint.py)
+under the hf sampler with an unquantized base is not written at all: the export is the run's reference again.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from artifacts import RunDir, dir_digest, seal_dir, shared_cache
+from artifacts import RunDir, checkpoint, dir_digest, seal_dir, shared_cache
 from stages.context import run_config, timer
 
 
@@ -26,6 +27,16 @@ def export_base(run_dir: str, base_dir: str) -> dict:
         if target.exists():
             dir_digest(target)
             out.update(path=str(target), base_hash=base_hash, cached=True)
+            return out
+        ref = checkpoint.read_ref(base_dir)
+        if ref is not None and cfg.model.quantization == "none" and cfg.sampler.kind == "hf":
+            # a checkpoint used in place: the hf sampler loads it where it is, cast to model.dtype at load exactly as
+            # the trainer's base is (same function, same values), so the export is the run's reference again -- no
+            # copy. vLLM (its own loader) and an NF4 trainer (the sampler's BF16 weights are its dequantized ones) get
+            # a written export below.
+            checkpoint.check_unchanged(ref)
+            checkpoint.write_ref(target, ref)
+            out.update(path=str(target), base_hash=base_hash, cached=False, in_place=True)
             return out
         manifest = M.random_base_manifest(base_dir)
         shareable = manifest is None and cfg.model.quantization == "none"  # a checkpoint cast: depends on the base only
@@ -61,9 +72,19 @@ def export_base(run_dir: str, base_dir: str) -> dict:
         else:
             model = M.load_base(base_dir, cfg.model.dtype)
             model.save_pretrained(scratch)
-        for f in Path(base_dir).iterdir():  # tokenizer files travel with the checkpoint
-            if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
-                if not f.name.endswith(".sha256"):
+        source = checkpoint.resolve(base_dir)  # a checkpoint used in place, checked unchanged; else base_dir
+        if source != Path(base_dir):
+            # a published checkpoint's multi-token-prediction head, as stored, for the vLLM sampler (the trainer
+            # leaves it out: it trains the text model)
+            mtp = M.mtp_tensors(source)
+            if mtp:
+                from safetensors.torch import save_file
+
+                save_file(mtp, str(scratch / "mtp.safetensors"), metadata={"format": "pt"})
+                out["mtp_tensors"] = len(mtp)
+        for f in source.iterdir():  # tokenizer files and the chat template travel with the checkpoint
+            if f.name.startswith(("tokenizer", "chat_template")) or f.name == "special_tokens_map.json":
+                if not f.name.endswith(".sha256") and f.is_file():
                     shutil.copyfile(f, scratch / f.name)
         seal_dir(scratch, target)
         shutil.rmtree(scratch)

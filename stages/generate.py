@@ -12,7 +12,7 @@ import numpy as np
 
 from artifacts import RunDir, read_table
 from artifacts.tables import write_turn
-from engine.chat import first_prompt
+from engine.chat import ChatFormat, tool_specs
 from stages.context import env_factory, run_config, run_tag, seed_for, timer
 
 
@@ -37,7 +37,9 @@ def sample_tasks(run_dir: str, step: int, base_in: str, split: str = "train", n_
         tok = tokenizer(base_in)
         G = cfg.grpo.num_generations if split == "train" else 1
         rows = [(g, t) for g, t in enumerate(tasks) for _ in range(G)]
-        prefixes = [np.asarray(tok(first_prompt(env.reset(t)))["input_ids"], dtype=np.int32) for _, t in rows]
+        fmt, tools = ChatFormat.of(tok), tool_specs(env)  # the tokenizer's chat template, or the built-in format
+        prefixes = [np.asarray(tok(fmt.first_prompt(env.reset(t), tools))["input_ids"], dtype=np.int32)
+                    for _, t in rows]
         path = out_path or str(rd.ensure(step).tasks(step))
         scope = scope or f"s{step}"
         write_state(path, [initial_row(i, g, f"{run_tag(run_dir)}:{scope}:{i}", t.to_dict(), prefixes[i])

@@ -20,7 +20,7 @@ import numpy as np
 
 from artifacts import RunDir, read_table
 from artifacts.tables import write_state
-from engine.chat import observation_block
+from engine.chat import ChatFormat
 from gyms.protocol import REASON_ANSWER, REASON_BUDGET, Task
 from gyms.trace import write_trace
 from gyms.service import ToolTransportError
@@ -59,7 +59,7 @@ def _advance(cfg, pool, tok, eos: int, r: dict, a: dict) -> tuple[dict, bool]:
     prefix = list(r["prefix_ids"]) + ans_ids
     if not res.done:
         obs = res.observation or ""
-        obs_ids = tok(observation_block(obs))["input_ids"]
+        obs_ids = tok(ChatFormat.of(tok).observation_block(obs))["input_ids"]
         if budget_left(cfg, new) - len(obs_ids) < 2:  # the result does not fit, or leaves no room to answer
             new.update(done=True, reason=REASON_BUDGET)
         else:

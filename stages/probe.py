@@ -30,23 +30,24 @@ def _probe_turns(cfg_json: str, tok_dir: str) -> tuple[tuple[tuple[int, ...], tu
     """(prefix ids, oracle answer ids) of the fixed probe turns: held-out tasks, at successive turn depths so the
     probe covers questions, tool results and final answers."""
     from configs.schema import RunConfig
-    from engine.chat import first_prompt, observation_block
+    from engine.chat import ChatFormat, tool_specs
     from engine.runtime import tokenizer
     from gyms.registry import make_env_factory
 
     cfg = RunConfig.model_validate_json(cfg_json)
     tok = tokenizer(tok_dir)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
+    fmt = ChatFormat.of(tok)
     # the oracle's whole episode must fit, whatever max_turns the run trains with
     env = make_env_factory(cfg.gym.name, {**cfg.gym.options, "max_turns": 64})()
     out = []
     for i, task in enumerate(env.sample_tasks(cfg.gates.probe_prompts, seed=PROBE_SEED, split="eval")):
         answers = env.oracle_answers(task)
         depth = i % len(answers)
-        prefix = tok(first_prompt(env.reset(task)))["input_ids"]
+        prefix = tok(fmt.first_prompt(env.reset(task), tool_specs(env)))["input_ids"]
         for a in answers[:depth]:
             res = env.step(a)
-            prefix = prefix + tok(a)["input_ids"] + [eos] + tok(observation_block(res.observation or ""))["input_ids"]
+            prefix = prefix + tok(a)["input_ids"] + [eos] + tok(fmt.observation_block(res.observation or ""))["input_ids"]
         close = getattr(env, "close", None)
         if callable(close):
             close()

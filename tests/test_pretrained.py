@@ -174,3 +174,50 @@ def test_two_steps_from_a_published_snapshot_through_prefect(prefect_harness, sn
             state.result()
     finally:
         shard.write_bytes(saved)
+
+
+def test_a_written_export_keeps_the_mtp_head_and_the_chat_template(snapshot, tmp_path):
+    """vLLM loads its own written export (text model in its dtype): the checkpoint's MTP tensors and its tokenizer
+    files with the chat template travel with it, as stored."""
+    import torch
+    from safetensors.torch import load_file
+
+    from configs.schema import load_config
+    from engine import model as M
+    from stages.export import export_base
+    from stages.prepare import init_run_dir, prepare_run
+
+    src, info = snapshot
+    cfg = load_config("pretrained", {**SMALL, "model.path": str(src), "run_dir": str(tmp_path / "run"),
+                                     "sampler.kind": "vllm", "model.dtype": "bfloat16"})
+    run_dir = str(init_run_dir(cfg).root)
+    prep = prepare_run(run_dir)
+    ex = export_base(run_dir, prep["base"]["path"])
+    out = Path(ex["path"])
+    assert not ex.get("in_place") and ex["mtp_tensors"] == len(info["mtp_keys"])
+    mtp = load_file(str(out / "mtp.safetensors"))
+    stored = M.mtp_tensors(src)
+    assert sorted(mtp) == info["mtp_keys"] and all(torch.equal(mtp[k], stored[k]) for k in mtp)
+    assert (out / "chat_template.jinja").read_text() == (src / "chat_template.jinja").read_text()
+    text = M.load_base(out, "bfloat16")  # the export is a plain Qwen3_5ForCausalLM checkpoint of the same weights
+    ref = M.load_base(prep["base"]["path"], "bfloat16")
+    assert all(torch.equal(a, b) for a, b in zip(text.state_dict().values(), ref.state_dict().values()))
+
+
+@pytest.mark.gpu
+def test_the_published_layout_loads_as_an_nf4_base_on_the_gpu(snapshot, tmp_path):
+    import torch
+
+    from artifacts import checkpoint
+    from engine import model as M
+    from engine.nf4 import load_base_nf4
+
+    src, _ = snapshot
+    ref_dir = tmp_path / "ref"
+    checkpoint.write_ref(ref_dir, checkpoint.hash_checkpoint(src))
+    q = load_base_nf4(ref_dir, device="cuda")
+    bf = M.load_base(ref_dir, "bfloat16", "cuda")
+    ids = torch.arange(1, 33, device="cuda").view(1, -1)
+    with torch.no_grad():
+        a, b = q(ids).logits.float(), bf(ids).logits.float()
+    assert torch.isfinite(a).all() and ((a - b).norm() / b.norm()).item() < 0.2  # NF4 of the same text weights

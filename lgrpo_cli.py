@@ -281,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))  # user gyms and reward functions import from here, as with python -m
     _quiet(args.verbose)
+    from engine.pool import install_stack_dumps
+
+    install_stack_dumps()  # SIGUSR1: every thread's stack, here and in each pool worker (their logs)
     from configs.schema import ConfigError
 
     try:

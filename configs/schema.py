@@ -360,6 +360,9 @@ class RunConfig(_Strict):
     seed: int = 0
     run_dir: str = "runs/tiny"
     threads: int | None = Field(None, description="torch threads; None = all cores")
+    workers: int = Field(0, ge=0, description="worker processes that generate turns (engine/pool.py: one per GPU on "
+                                               "cuda, CPU processes here), started once per run; each GRPO group stays "
+                                               "on one worker. 0: the engines run in the flow's own process")
     device: Literal["cpu", "cuda"] = Field("cpu", description="where the trainer and the hf sampler run")
     model: ModelConfig = ModelConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()

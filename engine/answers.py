@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.model import Tokens, _parts, cache_kw, left_pad
+from engine.rng import draw_multinomial
 
 
 def prompt_embeddings(model, prefix: list[int], thoughts: torch.Tensor, toks: Tokens) -> torch.Tensor:
@@ -62,7 +63,7 @@ def sampling_loop(next_logp, feed, B: int, max_new: int, toks: Tokens, gen: torc
         if not live.any():
             break
         logp = next_logp()
-        nxt = torch.multinomial(logp.exp().to(gen.device), 1, generator=gen)[:, 0]  # on the generator's device
+        nxt = draw_multinomial(gen, logp.exp())  # on the generator's device (engine/rng.py: per row or shared)
         chosen = logp.gather(1, nxt.to(logp.device)[:, None])[:, 0].cpu()
         nxt = nxt.cpu()
         for i in range(B):

@@ -50,6 +50,7 @@ from engine.latent import thought_step
 from engine.model import Tokens, _parts, cache_kw, left_pad
 from engine.adapter_grad import adapter_layers, adapter_params, dora_weight_norm, single_adapter_layers
 from engine.prefix_cache import ATTN, LINEAR, layer_kinds
+from engine.rng import draw_normal
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -568,7 +569,7 @@ class GraphedLatentLoop(_StaticDecoder):
 
     def _draw(self, gen: torch.Generator, K: int, B: int) -> list[torch.Tensor]:
         # same generator use as latent_loop: one (B, d) block per thought, in order
-        return [torch.randn(B, self.d, generator=gen, device=gen.device) for _ in range(K)]
+        return [draw_normal(gen, B, self.d) for _ in range(K)]
 
     def _setup(self, sigma: float, scale: float):
         self._sigma, self._scale = float(sigma), float(scale)

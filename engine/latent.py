@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from engine.model import Tokens, _parts, cache_kw, left_pad
+from engine.rng import draw_normal
 
 
 def thought_mean(h: torch.Tensor, scale: float) -> torch.Tensor:
@@ -74,7 +75,7 @@ def sample_thoughts(h: torch.Tensor, K: int, sigma: float, scale: float, gen: to
     B, d = h.shape
     zs, lqs = [], []
     for k in range(K):
-        eps = torch.randn(B, d, generator=gen, device=gen.device).to(h.device)
+        eps = draw_normal(gen, B, d).to(h.device)
         z, lq = thought_step(h, eps, sigma, scale)
         zs.append(z)
         lqs.append(lq)

@@ -17,10 +17,12 @@ import torch
 from engine import model as M
 from engine import answers as AN
 from engine import latent as LT
+from engine.rng import generator_for
 
 
 def set_threads(n: int | None) -> None:
-    n = n or os.cpu_count() or 1
+    """torch threads: `n`, else all cores; a pool worker keeps the share its pool gave it (engine/pool.py)."""
+    n = int(os.environ.get("LGRPO_WORKER_THREADS") or 0) or n or os.cpu_count() or 1
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
 
@@ -96,7 +98,7 @@ class Engine:
         "latent_prefill_s"."""
         from engine import prefix_cache as PC
 
-        gen = torch.Generator().manual_seed(seed)
+        gen = generator_for(seed)  # a list: one generator per row (engine/rng.py)
         with torch.no_grad():
             if self.graphs:
                 rows = _prefill_timed(self.model, prefixes, self.prefix_cache, boundaries, times, "latent_prefill_s")
@@ -132,7 +134,7 @@ class Engine:
         log-probs) per row. times: the graphed path adds its prefill seconds under "answers_prefill_s"."""
         from engine import prefix_cache as PC
 
-        gen = torch.Generator().manual_seed(seed)
+        gen = generator_for(seed)
         cache = self.answer_cache(trainer)
         with torch.no_grad():
             if self.graphs:
@@ -309,7 +311,7 @@ class VllmEngine:
     def answers(self, prefixes: list[list[int]], boundaries, z: torch.Tensor, max_new: int, temperature: float,
                 seed: int, limits: list[int], trainer: Engine, times: dict | None = None):
         return self.vllm.sample(self._prompts(prefixes, z, trainer), max_new, temperature, limits=limits,
-                                seed=seed % 2**31)
+                                seed=seed if isinstance(seed, (list, tuple)) else seed % 2**31)
 
     def teacher_forced(self, prefixes, thoughts, answers, temperature: float, trainer: Engine) -> list:
         return self.vllm.teacher_forced(self._prompts(prefixes, thoughts, trainer), answers, temperature)

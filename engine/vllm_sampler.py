@@ -551,11 +551,12 @@ class VllmSampler:
     # -- sampling ------------------------------------------------------------------------------------------------
 
     def sample(self, prompt_embeds: list[torch.Tensor], max_new: int, temperature: float,
-               limits: list[int] | None = None, seed: int = 0) -> tuple[list[list[int]], list[list[float]]]:
+               limits: list[int] | None = None, seed: int | list[int] = 0) -> tuple[list[list[int]], list[list[float]]]:
         """Answers from prompt embeddings [(L_i, d)]: token ids and processed (post-temperature) log-probs.
 
         A row stops after <|im_end|> (kept as its last token), after `max_new` tokens, after `limits[i]` tokens, or
-        where max_model_len ends. Row i samples with seed row_seed(engine seed, seed, i). All rows of a call carry the
+        where max_model_len ends. Row i samples with seed row_seed(engine seed, seed, i), or, with a seed per row (a
+        list: stages/generate.py's placement-independent row seeds), row_seed(0, seed[i], 0) whatever the rank. All rows of a call carry the
         same adapter request: base-model and LoRA requests are never mixed in one batch.
         """
         from vllm import SamplingParams
@@ -580,7 +581,8 @@ class VllmSampler:
             prompts.append({"prompt_embeds": e})
             params.append(SamplingParams(
                 n=1, temperature=float(temperature), top_p=1.0, top_k=0, min_p=0.0, max_tokens=min(caps[i], room),
-                logprobs=0, seed=row_seed(self.seed, seed, i), stop_token_ids=[self.eos], ignore_eos=True,
+                logprobs=0, seed=(row_seed(0, int(seed[i]), 0) if isinstance(seed, (list, tuple)) else
+                                  row_seed(self.seed, seed, i)), stop_token_ids=[self.eos], ignore_eos=True,
                 detokenize=False, skip_special_tokens=False))
         before = torch.get_num_threads()
         if self.device != "cuda" and self.threads:

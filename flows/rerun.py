@@ -10,6 +10,7 @@ from prefect import flow, get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from artifacts import checkpoint
+from engine import pool
 from flows.step import Stage, step_flows
 
 
@@ -23,8 +24,11 @@ def task_states(flow_run_id: UUID) -> dict[str, str]:
 @flow(name="lgrpo-rerun-stage", log_prints=True)
 def rerun_stage(run_dir: str, step: int, stage: Stage | None = None) -> dict:
     checkpoint.check_run(run_dir)  # a checkpoint used in place must be as the run recorded it
-    with step_flows() as step_flow:
-        state = step_flow(run_dir, step, force_from=stage, return_state=True)
+    try:
+        with step_flows() as step_flow:
+            state = step_flow(run_dir, step, force_from=stage, return_state=True)
+    finally:
+        pool.close_all()  # worker processes (cfg.workers) end with the rerun
     states = task_states(state.state_details.flow_run_id)
     print("task states: " + ", ".join(f"{k}={v}" for k, v in states.items()))
     return state.result() | {"task_states": states}

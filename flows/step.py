@@ -15,10 +15,11 @@ from typing import Literal
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from artifacts import RunDir, append_jsonl, curves, read_json, write_json
+from artifacts import RunDir, append_jsonl, curves, read_json, read_table, write_json
 from artifacts import metrics as step_metrics
 from flows import tasks as T
 from stages.context import run_config
+from stages.generate import place_groups
 
 STAGES = ["export", "sample-tasks", "generate-turn", "run-gym", "collect-rollouts", "replay", "optimize", "probe"]
 Stage = Literal["export", "sample-tasks", "generate-turn", "run-gym", "collect-rollouts", "replay", "optimize", "probe"]
@@ -107,9 +108,15 @@ def grpo_step(run_dir: str, step: int, force_from: Stage | None = None) -> dict:
         st = _run(T.sample_tasks, "sample-tasks", force_from, run_dir, step, base)
         summaries.append(st)
         state, turn_paths, gym_paths = st["path"], [], []
+        placement = place_groups(st["path"], cfg.workers) if cfg.workers else None
         for turn in range(cfg.gym.max_turns):
-            tr = _run(T.generate_turn, "generate-turn", force_from,
-                      run_dir, step, turn, state, inp["adapter"], ex["path"], base)
+            if placement is None:
+                tr = _run(T.generate_turn, "generate-turn", force_from,
+                          run_dir, step, turn, state, inp["adapter"], ex["path"], base)
+            else:
+                tr, gather = _generate_on_workers(run_dir, step, turn, state, inp["adapter"], ex["path"], base,
+                                                  placement, force_from)
+                summaries.append(gather)
             gr = _run(T.run_gym, "run-gym", force_from, run_dir, step, turn, state, tr["path"], base)
             summaries += [tr, gr]
             turn_paths.append(tr["path"])
@@ -132,6 +139,46 @@ def grpo_step(run_dir: str, step: int, force_from: Stage | None = None) -> dict:
         summaries.append(_run(T.probe, "probe", force_from, run_dir, step, str(RunDir(Path(run_dir)).adapter(step)),
                               ex["path"], base))
     return publish(run_dir, step, inp["kind"], summaries)
+
+
+def _generate_on_workers(run_dir: str, step: int, turn: int, state: str, adapter: str, export: str, base: str,
+                         placement: dict[int, list[int]], force_from: str | None) -> tuple[dict, dict]:
+    """One model turn on the pool: a generate-turn task per worker with active rows, run concurrently (the UI shows
+    them side by side), then gather-turn joins their shards into the turn table. Returns (the turn's summary: wall,
+    latent and answers seconds as the slowest worker's, counts summed, per-worker figures under "workers"; the
+    gather summary)."""
+    done = read_table(state).column("done").to_pylist()
+    turn_path = str(RunDir(Path(run_dir)).turn(step, turn))
+    jobs = [(w, [r for r in rows if not done[r]]) for w, rows in sorted(placement.items())]
+    jobs = [(w, rows) for w, rows in jobs if rows]
+    shards = [turn_path.replace(".arrow", f".w{w}.arrow") for w, _ in jobs]
+    task = _refresh(T.generate_turn_on_worker, "generate-turn", force_from)
+    futures = [task.submit(run_dir, step, turn, state, adapter, export, base, w, rows, shard)
+               for (w, rows), shard in zip(jobs, shards)]
+    results = []
+    for f in futures:
+        f.wait()
+        results.append(f.state.result() | {"cached": f.state.name == "Cached"})  # re-raises a failed worker's error
+    for r, shard in zip(results, shards):
+        if r["cached"] and not Path(shard).exists():  # a cached summary whose shard is gone: run it again
+            w = r["worker"]
+            rows = dict(jobs)[w]
+            r.update(T.generate_turn_on_worker.with_options(refresh_cache=True)(
+                run_dir, step, turn, state, adapter, export, base, w, rows, shard), cached=False)
+    gather = _run(T.gather_turn, "generate-turn", force_from, run_dir, step, shards, turn_path)
+    keys_max = ("wall_s", "latent_s", "answers_s", "latent_prefill_s", "answers_prefill_s")
+    keys_sum = ("rows", "answer_tokens", "prefix_tokens", "prefix_input_tokens", "prefix_computed_tokens")
+    combined = {"stage": "generate-turn", "turn": turn, "path": gather["path"],
+                "cached": all(r["cached"] for r in results)}
+    for k in keys_max:
+        if any(k in r for r in results):
+            combined[k] = max(r.get(k, 0.0) for r in results)
+    for k in keys_sum:
+        if any(k in r for r in results):
+            combined[k] = sum(r.get(k, 0) for r in results)
+    combined["workers"] = [{k: r[k] for k in ("worker", "rows", "wall_s", "latent_s", "answers_s") if k in r}
+                           for r in results]
+    return combined, gather
 
 
 def phase_times(summaries: list[dict]) -> dict[str, float]:
@@ -175,7 +222,7 @@ def publish(run_dir: str, step: int, kind: str, summaries: list[dict]) -> dict:
                        prefix_computed_share=round(n_comp / max(1, n_in), 4))
     turn_keys = ("turn", "rows", "prefix_tokens", "answer_tokens", "latent_prefill_s", "latent_s", "answers_prefill_s",
                  "answers_s", "wall_s", "latent_graph_captures", "answers_graph_captures", "latent_graph_setup_s",
-                 "answers_graph_setup_s")
+                 "answers_graph_setup_s", "workers")
     turns = [{k: s[k] for k in turn_keys if k in s} for s in summaries
              if s["stage"] == "generate-turn" and not s.get("cached")]
     if turns:  # per model turn: where the generate-turn seconds went (bench/step_27b.py prints them)

@@ -157,6 +157,39 @@ def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in:
     return fn(run_dir, step, turn, state_in, adapter_in, export_in, base_in)
 
 
+@task(name="generate-turn", retries=1, retry_delay_seconds=[2], **TASK_OPTIONS,
+      task_run_name="generate-turn-{step}-{turn}-w{worker}")
+def generate_turn_on_worker(run_dir: str, step: int, turn: int, state_in: str, adapter_in: str, export_in: str,
+                            base_in: str, worker: int, rows: list[int], out_path: str) -> dict:
+    """One model turn for `rows` (the worker's GRPO groups) in pool worker `worker` (engine/pool.py): a dead worker
+    fails this task naming it, and the retry runs on a restarted one."""
+    from engine.pool import pool_for
+    from stages.context import run_config
+
+    cfg = run_config(run_dir)
+    pool = pool_for(run_dir, cfg.workers, cfg.device, worker_threads(cfg))
+    out = pool.call(worker, "stages.generate.generate_turn", run_dir=run_dir, step=step, turn=turn, state_in=state_in,
+                    adapter_in=adapter_in, export_in=export_in, base_in=base_in, out_path=out_path, rows=rows)
+    return out | {"worker": worker}
+
+
+def worker_threads(cfg) -> int | None:
+    """torch threads per CPU worker: `threads`, else the cores shared out (two all-core trainings on the same cores
+    slow each other about 5x)."""
+    if cfg.device == "cuda":
+        return cfg.threads
+    import os
+
+    return cfg.threads or max(1, (os.cpu_count() or 1) // max(1, cfg.workers))
+
+
+@_stage_task("gather-turn", 1, [2])
+def gather_turn(run_dir: str, step: int, shards: list[str], out_path: str) -> dict:
+    from stages.generate import gather_turn as fn
+
+    return fn(shards, out_path)
+
+
 @task(name="run-gym", retries=3, retry_delay_seconds=[1, 2, 4], retry_jitter_factor=0.5, **TASK_OPTIONS,
       task_run_name="run-gym-{step}-{turn}")
 def run_gym(run_dir: str, step: int, turn: int, state_in: str, turn_in: str, base_in: str) -> dict:

@@ -10,6 +10,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from artifacts import checkpoint, curves, write_json
 from configs.params import TrainParameters
 from configs.schema import load_config
+from engine import pool
 from flows import tasks as T
 from flows.step import step_flows
 from stages.prepare import init_run_dir, record_prepared  # noqa: F401  (init_run_dir: public here too)
@@ -34,9 +35,12 @@ def train(params: TrainParameters = TrainParameters()) -> dict:
     before = T.evaluate(run_dir, "before", init["path"], ex["path"], base["path"])
     curves.write_scalars(run_dir, 0, curves.eval_scalars(before))
     history = []
-    with step_flows() as step_flow:
-        for step in range(cfg.steps.total):
-            history.append(step_flow(run_dir, step))
+    try:
+        with step_flows() as step_flow:
+            for step in range(cfg.steps.total):
+                history.append(step_flow(run_dir, step))
+    finally:
+        pool.close_all()  # the run's worker processes (cfg.workers) end with its steps
     final = str(rd.adapter(cfg.steps.total - 1))
     verified = T.verify_checkpoint(run_dir, final, base["path"]) if cfg.gates.verify_checkpoint else None
     after = T.evaluate(run_dir, f"step-{cfg.steps.total - 1:04d}", final, ex["path"], base["path"])

@@ -5,7 +5,9 @@ to the file LGRPO_KILL_MARK names (when set), so a test can time the exit.
 Unset in normal runs (the check is one environment lookup). Used by tests/test_rerun.py to prove that a run
 killed mid-stage resumes from its artifacts with the same result as an uninterrupted run, and by
 tests/test_no_orphans.py to prove that no process a killed run started survives it. Kill points: `replay:<step>`,
-`bootstrap:0` (after the first supervised round of the bootstrap).
+`bootstrap:0` (after the first supervised round of the bootstrap), `generate-turn:<step>` (after the thoughts and
+answers, before the turn table; a pool worker gets it through `LGRPO_WORKER_KILL_AT=<rank>:generate-turn:<step>`,
+on its first start only, engine/pool.py).
 """
 
 from __future__ import annotations

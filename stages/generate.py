@@ -13,6 +13,7 @@ import numpy as np
 from artifacts import RunDir, read_table
 from artifacts.tables import write_turn
 from engine.chat import ChatFormat, tool_specs
+from stages import faults
 from stages.context import env_factory, run_config, run_tag, seed_for, timer
 
 
@@ -49,9 +50,10 @@ def sample_tasks(run_dir: str, step: int, base_in: str, split: str = "train", n_
 
 
 def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in: str, export_in: str,
-                  base_in: str, out_path: str | None = None) -> dict:
+                  base_in: str, out_path: str | None = None, rows: list[int] | None = None) -> dict:
     """One model turn for the active rows of `state_in` (tasks.arrow or the previous gym-TT.arrow): the trainer's
-    latent thoughts, the sampler's answers (each engine picks its own path), the turn table."""
+    latent thoughts, the sampler's answers (each engine picks its own path), the turn table. rows: only these rows
+    (a pool worker's share, engine/pool.py; gather_turn joins the shards)."""
     from engine import runtime
 
     cfg = run_config(run_dir)
@@ -60,7 +62,7 @@ def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in:
     with timer(out):
         state = read_table(state_in)
         done = state.column("done").to_numpy(zero_copy_only=False)
-        active = [i for i in range(state.num_rows) if not done[i]]
+        active = [i for i in range(state.num_rows) if not done[i] and (rows is None or i in rows)]
         prefixes_all = state.column("prefix_ids").to_pylist()
         prefixes = [prefixes_all[i] for i in active]
         # an answer may use what is left of the episode's token budget, minus one for the <|im_end|> that closes it
@@ -79,11 +81,14 @@ def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in:
         K = cfg.latent.max_latent_steps
         sigma = cfg.latent.sigma * trainer.scale
         with timer(out, "latent_s"):
-            z, logq = trainer.thoughts(prefixes, boundaries, K, sigma, seed_for(cfg.seed, step, turn, "latent"),
-                                       times=out)
+            # one generator per row, seeded by (run seed, step, turn, row): a row's thoughts and answer are the same
+            # whatever rows share its batch or worker (engine/rng.py)
+            z, logq = trainer.thoughts(prefixes, boundaries, K, sigma,
+                                       [seed_for(cfg.seed, step, turn, "latent", i) for i in active], times=out)
         with timer(out, "answers_s"):
             ids, lps = sampler.answers(prefixes, boundaries, z, cfg.sampler.max_answer_tokens, cfg.sampler.temperature,
-                                       seed_for(cfg.seed, step, turn, "sampler"), limits, trainer, times=out)
+                                       [seed_for(cfg.seed, step, turn, "sampler", i) for i in active], limits, trainer,
+                                       times=out)
         z, logq = z.cpu(), logq.cpu()
         for role, stats in (("latent", trainer.graph_stats("latent")), ("answers", sampler.graph_stats("answers"))):
             if stats:  # CUDA graphs: captures so far in this process and their warm-up + capture seconds
@@ -91,6 +96,7 @@ def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in:
         if caches:  # prefix tokens the engines asked for vs ran through a model (both engines, this turn)
             out["prefix_input_tokens"] = sum(c.input_tokens - b[0] for c, b in zip(caches, before))
             out["prefix_computed_tokens"] = sum(c.computed_tokens - b[1] for c, b in zip(caches, before))
+        faults.maybe_kill("generate-turn", step)  # a drill: killed mid-turn, before the turn table is written
         tok = runtime.tokenizer(tok_dir)
         texts = [answer_text(tok, a, trainer.toks.eos) for a in ids]
         d = z.shape[-1]
@@ -124,3 +130,41 @@ def answer_text(tok, ids: list[int], eos: int) -> str:
     if run:
         parts.append(tok.decode(run, skip_special_tokens=False))
     return "".join(parts)
+
+
+def gather_turn(shards: list[str], out_path: str) -> dict:
+    """The turn table of a step's turn from the workers' shards: their rows in row order, the shards' metadata (step,
+    turn, K, d, sigma: equal in every shard, checked), as one worker would have written it."""
+    import pyarrow as pa
+
+    from artifacts import table_metadata, write_table
+
+    out = {"stage": "gather-turn"}
+    with timer(out):
+        tables = [read_table(p) for p in shards]
+        metas = [table_metadata(t) for t in tables]
+        if any(m != metas[0] for m in metas[1:]):
+            raise ValueError(f"turn shards disagree in their metadata: {metas}")
+        table = pa.concat_tables(tables).sort_by("row")
+        write_table(out_path, table.replace_schema_metadata(None), metadata=metas[0])
+        out.update(path=out_path, rows=table.num_rows, shards=len(shards))
+    return out
+
+
+def place_groups(state_in: str, workers: int) -> dict[int, list[int]]:
+    """Rows per worker: whole GRPO groups (a group stays on one worker for its episode: its prefix cache serves it),
+    balanced by expected tokens (the group's prompt tokens: largest group first onto the least loaded worker; ties by
+    group and worker index, so the placement is a function of the tasks table only)."""
+    state = read_table(state_in)
+    groups = state.column("group").to_pylist()
+    lengths = [len(p) for p in state.column("prefix_ids").to_pylist()]
+    members: dict[int, list[int]] = {}
+    for row, g in enumerate(groups):
+        members.setdefault(int(g), []).append(row)
+    load = [0] * workers
+    out: dict[int, list[int]] = {w: [] for w in range(workers)}
+    for g in sorted(members, key=lambda g: (-sum(lengths[r] for r in members[g]), g)):
+        w = min(range(workers), key=lambda w: (load[w], w))
+        out[w] += members[g]
+        load[w] += sum(lengths[r] for r in members[g])
+    return {w: sorted(rows) for w, rows in out.items()}

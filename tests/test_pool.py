@@ -1,0 +1,111 @@
+"""The worker pool (engine/pool.py): gloo workers with a clean environment, a dead worker named at once and restarted,
+stack dumps on SIGUSR1; generate-turn fanned out over two workers through Prefect with the rollouts of a run
+without workers, and a worker SIGKILLed mid-turn failing its task by name before the retry completes it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from tests.conftest import make_run
+
+
+@pytest.fixture()
+def pool(tmp_path, monkeypatch):
+    from engine.pool import WorkerPool
+
+    monkeypatch.setenv("RANK", "5")  # what a launcher left in the driver's environment must not reach a worker
+    monkeypatch.setenv("MASTER_PORT", "1")
+    p = WorkerPool(tmp_path, 2, "cpu", threads=1)
+    yield p
+    p.close()
+
+
+def test_workers_form_a_gloo_group_with_a_clean_environment(pool):
+    assert pool.call_all("engine.pool.all_reduce_sum", lambda r: {"values": [1.0 + r, 10.0]}) == [[3.0, 20.0]] * 2
+    env = pool.call(1, "engine.pool.info")["env"]
+    assert env["RANK"] is None and env["MASTER_PORT"] is None and env["WORLD_SIZE"] is None
+    assert env["TRITON_CACHE_DIR"].endswith("cache/triton")
+
+
+def test_a_killed_worker_is_named_at_once_and_restarted_by_the_next_call(pool):
+    from engine.pool import WorkerDied
+
+    pid = pool.pids()[1]
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.perf_counter()
+    with pytest.raises(WorkerDied, match=r"worker 1 died \(killed by SIGKILL\)"):
+        pool.call(1, "engine.pool.info")
+    assert time.perf_counter() - t0 < 5, "a dead worker must fail the call at once, never hang"
+    assert pool.call(1, "engine.pool.info")["pid"] != pid  # restarted
+    assert pool.call_all("engine.pool.all_reduce_sum", lambda r: {"values": [1.0]}) == [[2.0]] * 2  # group rebuilt
+
+
+def test_sigusr1_dumps_every_workers_stacks(pool):
+    pool.dump_stacks()
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        logs = [w.log.read_text(errors="replace") for w in pool.workers.values()]
+        if all("most recent call first" in t for t in logs):
+            break
+        time.sleep(0.2)
+    assert all("most recent call first" in t and "_serve" in t for t in logs), logs
+
+
+def _turns(run_dir: str, step: int) -> list:
+    from artifacts import RunDir, read_table
+
+    rd = RunDir(run_dir)
+    out = []
+    for t in range(8):
+        p = rd.turn(step, t)
+        if not p.exists():
+            break
+        out.append(read_table(p).to_pydict())
+    return out
+
+
+@pytest.mark.slow
+def test_generate_turn_on_two_workers_through_prefect(prefect_harness, tmp_path, monkeypatch):
+    from engine import pool as P
+    from flows.rerun import task_states
+    from flows.step import grpo_step
+
+    one = make_run(tmp_path / "one")
+    assert grpo_step(one, 0, return_state=True).is_completed()
+    two = make_run(tmp_path / "two", workers=2)
+    monkeypatch.setenv("LGRPO_WORKER_KILL_AT", "1:generate-turn:0")  # worker 1 dies in its first turn, once
+    state = grpo_step(two, 0, return_state=True)
+    P.close_all()
+    assert state.is_completed(), state
+    states = task_states(state.state_details.flow_run_id)
+    assert states["generate-turn-0-0-w0"] == "Completed" and states["generate-turn-0-0-w1"] == "Completed", states
+    assert states["gather-turn-0"] == "Completed"
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+        w1 = [r for r in runs if r.name == "generate-turn-0-0-w1"][0]
+        assert w1.run_count == 2, "the killed worker's task ran twice: failed, then retried on a restarted worker"
+        from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
+
+        logs = [l.message for l in client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[w1.id])))]
+    assert any("worker 1 died (killed by SIGKILL)" in m for m in logs), logs
+
+    # the rollouts do not depend on placement: same rows, same answers, thoughts to float rounding
+    a, b = _turns(one, 0), _turns(two, 0)
+    assert len(a) == len(b) and len(a) > 0
+    for ta, tb in zip(a, b):
+        assert ta["row"] == tb["row"] and ta["answer_ids"] == tb["answer_ids"] and ta["answer_text"] == tb["answer_text"]
+        for x, y in zip(ta["thoughts"], tb["thoughts"]):
+            np.testing.assert_allclose(np.array(x, dtype=np.float32), np.array(y, dtype=np.float32), atol=1e-4)
+    from artifacts import RunDir, read_json
+
+    m = read_json(RunDir(two).metrics(0))
+    assert [w["worker"] for w in m["generate_turns"][0]["workers"]] == [0, 1]

@@ -119,7 +119,7 @@ def write_tokenizer(out: Path, tk) -> None:
     fast.save_pretrained(out)
 
 
-def build_snapshot(out: Path, *, seed: int = 0, vocabulary=None, mtp: bool = True, shard_kb: int = 2048) -> dict:
+def build_snapshot(out: Path, *, seed: int = 0, vocabulary=None, mtp: bool = True, shards: int = 3) -> dict:
     """Write the checkpoint to `out`; returns {"vocab": "real"|"trained", "vocab_size", "mtp_keys", "shards"}."""
     import torch
     from safetensors.torch import save_file
@@ -135,7 +135,8 @@ def build_snapshot(out: Path, *, seed: int = 0, vocabulary=None, mtp: bool = Tru
                         vision_config=VISION, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = Qwen3_5ForConditionalGeneration(cfg).to(torch.bfloat16)  # published in BF16
-    model.save_pretrained(out, max_shard_size=f"{shard_kb}KB")
+    size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    model.save_pretrained(out, max_shard_size=f"{max(64, size // 1000 // shards + 1)}KB")  # sharded, with its index
     index_path = out / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
     mtp_keys = []

@@ -25,7 +25,8 @@ def test_stale_sampler_adapter_fails_rollout_parity_and_the_diagnostic_names_it(
 
     runtime.clear()
     # a learning rate that moves the policy in one update, so one update of staleness is a real difference
-    run_dir = make_run(tmp_path / "run", **{"optimizer.lr": 0.05, "grpo.groups_per_step": 4,
+    run_dir = make_run(tmp_path / "run", **{"optimizer.lr": 0.05, "grpo.groups_per_step": 4, "bootstrap.episodes": 96,
+                                             "bootstrap.epochs": 2,
                                              "steps.pattern": ["fresh"]})
     first = fresh_step(run_dir, 0, f"{run_dir}/adapter-init")
     assert first["optimize"]["grad_norm"] > 0
@@ -162,7 +163,10 @@ def test_thought_sampling_logq_replay_keeps_recorded_rounding_out_of_the_ratio(t
 
     run_dir = make_run(tmp_path / "run")
     first = fresh_step(run_dir, 0, f"{run_dir}/adapter-init")
-    assert first["optimize"]["thought_logq_gap_max"] < 1e-3  # fp32: generation and replay agree to rounding
+    # fp32: generation and replay agree to rounding. The size: mu differs between the two layouts by ~1e-7 relative,
+    # log q moves by sum_j eps_j dmu_j / sigma ~ 1e-4 per thought (d 128, sigma 0.05 scale); the max over a step's
+    # thoughts measured 1.2e-3 with per-row noise (engine/rng.py), 0.9e-3 with the earlier batch-wide stream
+    assert first["optimize"]["thought_logq_gap_max"] < 2e-3
     roll = read_table(first["rollouts"])
     shifted = pa.array([np.asarray(x, dtype=np.float32) + 5.0 for x in roll.column("thought_logq").to_pylist()],
                        type=roll.schema.field("thought_logq").type)
@@ -174,5 +178,5 @@ def test_thought_sampling_logq_replay_keeps_recorded_rounding_out_of_the_ratio(t
     assert moved.thought_gap == pytest.approx(5.0, abs=1e-3)
     rec = cfg.with_overrides(**{"grpo.thought_sampling_logq": "recorded"})
     r0, r1 = loss_inputs(rec, first["rollouts"], rp, rp), loss_inputs(rec, off, rp, rp)
-    assert torch.allclose(r0.is_ratio, base.is_ratio, rtol=1e-3)  # fp32: both choices agree
+    assert torch.allclose(r0.is_ratio, base.is_ratio, rtol=2e-3)  # fp32: both choices agree (exp of the gap above)
     assert float(r1.is_ratio.max()) < 1e-3  # 5 nat per thought: exp(-5 K turns) per sequence

@@ -38,13 +38,34 @@ def live_key(rollouts_in: str, adapter_digest: str) -> tuple[str, str]:
     return (verify(rollouts_in), adapter_digest)
 
 
+def _score(cfg, engine, turns: Turns, sigma: float, step: int, keep_graph: bool, turn_ids: list[int] | None = None):
+    """Score `turn_ids` (default: every turn) micro-batch by micro-batch as planned. Returns ({turn: answer lp},
+    {turn: thought logq}, live graphs per micro-batch, global micro-batches, tiers, the plan's summary)."""
+    ids = list(range(len(turns.rows))) if turn_ids is None else list(turn_ids)
+    sub = Turns(prefixes=[turns.prefixes[i] for i in ids], thoughts=[turns.thoughts[i] for i in ids],
+                answers=[turns.answers[i] for i in ids], rows=[turns.rows[i] for i in ids])
+    plan = plan_for(engine, sub, cfg.replay, cfg.sampler.temperature, sigma)  # raises before any scoring
+    mbs = [[ids[j] for j in mb] for mb in plan.microbatches]
+    ans_lp, logq, live = {}, {}, []
+    for idx, tier in zip(mbs, plan.tiers):
+        # two-pass micro-batches keep no graph: optimize re-forwards them (and checks them bit for bit)
+        with torch.set_grad_enabled(keep_graph and tier != "two_pass"):
+            a, q = engine.score(turns, idx, cfg.sampler.temperature, sigma, tier, cfg.replay)
+        live.append((idx, a, q) if keep_graph and tier != "two_pass" else None)
+        faults.maybe_kill("replay", step)
+        for j, i in enumerate(idx):
+            ans_lp[i] = a[j].detach().cpu()
+            logq[i] = q[j].detach().cpu()
+        del a, q
+    return ans_lp, logq, live, mbs, list(plan.tiers), plan.summary()
+
+
 def replay(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: str, fresh: bool,
            keep_graph: bool = True) -> dict:
     from engine import runtime
 
     cfg = run_config(run_dir)
     runtime.set_threads(cfg.threads)
-    rd = RunDir(run_dir)
     out = {"stage": "replay", "fresh": fresh}
     with timer(out):
         turns, table = load_turns(rollouts_in)
@@ -52,48 +73,115 @@ def replay(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: 
         engine = runtime.trainer(cfg, base_in, base_in)
         engine.use_adapter(adapter_in)
         engine.live.clear()
-        plan = plan_for(engine, turns, cfg.replay, cfg.sampler.temperature, sigma)  # raises before any scoring
-        mbs = plan.microbatches
-        ans_lp: list = [None] * len(turns.rows)
-        logq: list = [None] * len(turns.rows)
-        live = []
-        for idx, tier in zip(mbs, plan.tiers):
-            # two-pass micro-batches keep no graph: optimize re-forwards them (and checks them bit for bit)
-            with torch.set_grad_enabled(keep_graph and tier != "two_pass"):
-                a, q = engine.score(turns, idx, cfg.sampler.temperature, sigma, tier, cfg.replay)
-            live.append((idx, a, q) if keep_graph and tier != "two_pass" else None)
-            faults.maybe_kill("replay", step)
-            for j, i in enumerate(idx):
-                ans_lp[i] = a[j].detach().cpu()
-                logq[i] = q[j].detach().cpu()
-            del a, q
-        trainer_lp = [x.tolist() for x in ans_lp]
-        sampler_lp = table.column("sampler_logps").to_pylist()
-        if fresh:
-            report, keep = gates.rollout_parity(
-                trainer_lp, sampler_lp, mean_max=cfg.gates.parity_mean_max,
-                token_max=cfg.gates.parity_token_max, min_prob=cfg.gates.parity_min_prob)
-            report.update(step=step, kind="fresh", gated=True)
-            write_json(rd.parity(step), report)
-            append_jsonl(rd.parity_history(), report | {"masked": len(report["masked_tokens"])}, replace="step")
-            gates.check_parity(report)
-            out.update(parity_mean=report["mean_gap"], parity_max=report["max_gap"], masked=len(report["masked_tokens"]))
-        else:
-            # a reuse step replays rollouts sampled under an older adapter: the same numbers measure how far the
-            # policy moved since (the importance ratio's job), so they are recorded but not gated
-            report, _ = gates.rollout_parity(
-                trainer_lp, sampler_lp, mean_max=cfg.gates.parity_mean_max,
-                token_max=cfg.gates.parity_token_max, min_prob=cfg.gates.parity_min_prob)
-            report.update(step=step, kind="reuse", gated=False, passed=None)
-            write_json(rd.parity(step), report)
-            append_jsonl(rd.parity_history(), report | {"masked": len(report["masked_tokens"])}, replace="step")
-            out.update(drift_mean=report["mean_gap"], drift_max=report["max_gap"])
-            keep = [[True] * len(x) for x in trainer_lp]
-        path = str(rd.replay(step))
-        write_replay(path, turns.rows, [x.numpy() for x in ans_lp], [x.numpy() for x in logq], keep, step=step,
-                     fresh=fresh, adapter=engine.adapter_digest, plan={"microbatches": mbs, "tiers": plan.tiers})
+        ans, lq, live, mbs, tiers, summary = _score(cfg, engine, turns, sigma, step, keep_graph)
+        n = len(turns.rows)
+        _finish(cfg, run_dir, step, turns, table, [ans[i] for i in range(n)], [lq[i] for i in range(n)], fresh,
+                engine.adapter_digest, {"microbatches": mbs, "tiers": tiers}, out)
         if keep_graph:
             engine.live[live_key(rollouts_in, engine.adapter_digest)] = live
-        out.update(path=path, turns=len(turns.rows), microbatches=len(mbs), tokens=sum(turns.lengths()),
-                   plan=plan.summary())
+        out.update(microbatches=len(mbs), plan=summary)
     return out
+
+
+def split_turns(lengths: list[int], workers: int) -> dict[int, list[int]]:
+    """Turns per worker, balanced by token count (longest first onto the least loaded worker; ties by index)."""
+    load = [0] * workers
+    out: dict[int, list[int]] = {w: [] for w in range(workers)}
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        w = min(range(workers), key=lambda w: (load[w], w))
+        out[w].append(i)
+        load[w] += lengths[i]
+    return {w: sorted(ids) for w, ids in out.items()}
+
+
+def replay_shard(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: str, turn_ids: list[int],
+                 out_path: str, keep_graph: bool = True) -> dict:
+    """A pool worker's share of replay (engine/pool.py): its turns scored as planned for its device, the graphs kept
+    in this worker for its part of optimize, the values written to `out_path` (gather_replay joins the shards)."""
+    from artifacts import write_tensors
+    from engine import runtime
+    import json
+
+    cfg = run_config(run_dir)
+    runtime.set_threads(cfg.threads)
+    out = {"stage": "replay"}
+    with timer(out):
+        turns, table = load_turns(rollouts_in)
+        sigma = float(table_meta(table)["sigma"])
+        engine = runtime.trainer(cfg, base_in, base_in)
+        engine.use_adapter(adapter_in)
+        engine.live.clear()
+        ans, lq, live, mbs, tiers, summary = _score(cfg, engine, turns, sigma, step, keep_graph, turn_ids)
+        tensors = {**{f"a.{i}": ans[i] for i in turn_ids}, **{f"q.{i}": lq[i] for i in turn_ids}}
+        write_tensors(out_path, tensors, {"turns": json.dumps(list(turn_ids)), "adapter": engine.adapter_digest,
+                                          "plan": json.dumps({"microbatches": mbs, "tiers": tiers})})
+        if keep_graph:
+            engine.live[live_key(rollouts_in, engine.adapter_digest)] = live
+        out.update(path=out_path, turns=len(turn_ids), microbatches=len(mbs), tokens=sum(turns.lengths()[i] for i in turn_ids),
+                   plan=summary)
+    return out
+
+
+def gather_replay(run_dir: str, step: int, rollouts_in: str, shards: list[str], fresh: bool) -> dict:
+    """replay.arrow from the workers' shards (every turn exactly once), with the parity gate and report as replay
+    writes them; the plan records each micro-batch's worker, so optimize back-propagates where the graph lives."""
+    import json
+
+    from artifacts import read_tensors
+
+    cfg = run_config(run_dir)
+    out = {"stage": "replay", "fresh": fresh}
+    with timer(out):
+        turns, table = load_turns(rollouts_in)
+        n = len(turns.rows)
+        ans, lq, mbs, tiers, owners, adapters = {}, {}, [], [], [], set()
+        for w, path in enumerate(shards):
+            tensors, meta = read_tensors(path)
+            for i in json.loads(meta["turns"]):
+                if i in ans:
+                    raise ValueError(f"turn {i} was replayed by two workers ({path})")
+                ans[i], lq[i] = tensors[f"a.{i}"], tensors[f"q.{i}"]
+            plan = json.loads(meta["plan"])
+            mbs += plan["microbatches"]
+            tiers += plan["tiers"]
+            owners += [w] * len(plan["microbatches"])
+            adapters.add(meta["adapter"])
+        missing = sorted(set(range(n)) - set(ans))
+        if missing or len(adapters) != 1:
+            raise ValueError(f"replay shards: turns {missing[:10]} missing, adapters {sorted(adapters)}")
+        _finish(cfg, run_dir, step, turns, table, [ans[i] for i in range(n)], [lq[i] for i in range(n)], fresh,
+                adapters.pop(), {"microbatches": mbs, "tiers": tiers, "workers": owners}, out)
+        out.update(microbatches=len(mbs), workers=len(shards))
+    return out
+
+
+def _finish(cfg, run_dir: str, step: int, turns: Turns, table, ans_lp: list, logq: list, fresh: bool, adapter: str,
+            plan: dict, out: dict) -> None:
+    """The parity gate (fresh step) or the drift record (reuse step), then replay.arrow."""
+    rd = RunDir(run_dir)
+    trainer_lp = [x.tolist() for x in ans_lp]
+    sampler_lp = table.column("sampler_logps").to_pylist()
+    if fresh:
+        report, keep = gates.rollout_parity(
+            trainer_lp, sampler_lp, mean_max=cfg.gates.parity_mean_max,
+            token_max=cfg.gates.parity_token_max, min_prob=cfg.gates.parity_min_prob)
+        report.update(step=step, kind="fresh", gated=True)
+        write_json(rd.parity(step), report)
+        append_jsonl(rd.parity_history(), report | {"masked": len(report["masked_tokens"])}, replace="step")
+        gates.check_parity(report)
+        out.update(parity_mean=report["mean_gap"], parity_max=report["max_gap"], masked=len(report["masked_tokens"]))
+    else:
+        # a reuse step replays rollouts sampled under an older adapter: the same numbers measure how far the
+        # policy moved since (the importance ratio's job), so they are recorded but not gated
+        report, _ = gates.rollout_parity(
+            trainer_lp, sampler_lp, mean_max=cfg.gates.parity_mean_max,
+            token_max=cfg.gates.parity_token_max, min_prob=cfg.gates.parity_min_prob)
+        report.update(step=step, kind="reuse", gated=False, passed=None)
+        write_json(rd.parity(step), report)
+        append_jsonl(rd.parity_history(), report | {"masked": len(report["masked_tokens"])}, replace="step")
+        out.update(drift_mean=report["mean_gap"], drift_max=report["max_gap"])
+        keep = [[True] * len(x) for x in trainer_lp]
+    path = str(rd.replay(step))
+    write_replay(path, turns.rows, [x.numpy() for x in ans_lp], [x.numpy() for x in logq], keep, step=step,
+                 fresh=fresh, adapter=adapter, plan=plan)
+    out.update(path=path, turns=len(turns.rows), tokens=sum(turns.lengths()))

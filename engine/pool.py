@@ -21,9 +21,11 @@ What the seeds paid for, built in:
 
 from __future__ import annotations
 
+import datetime
 import faulthandler
 import importlib
 import os
+import pickle
 import secrets
 import signal
 import socket
@@ -38,6 +40,7 @@ from pathlib import Path
 CLEAN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
              "CUDA_VISIBLE_DEVICES", "TORCHELASTIC_RUN_ID", "LGRPO_KILL_AT", "LGRPO_WORKER_KILL_AT")
 START_TIMEOUT_S = 120.0
+GROUP_TIMEOUT_S = 120.0  # a rendezvous or collective that waits longer fails (a peer died): never a silent hang
 
 
 class WorkerDied(RuntimeError):
@@ -156,7 +159,7 @@ class WorkerPool:
             proc.kill()
             raise WorkerDied(rank, f"did not connect within {START_TIMEOUT_S:.0f} s ({_exit_cause(proc.poll())})",
                              _tail(log))
-        hello = conn.recv()
+        hello = pickle.loads(conn.recv_bytes())
         if hello != ("hello", rank):
             raise RuntimeError(f"worker {rank}: unexpected greeting {hello!r}")
         return conn
@@ -165,23 +168,32 @@ class WorkerPool:
         return self.workers[rank].proc.poll() is None
 
     def restart(self, rank: int) -> None:
-        """Start worker `rank` again (after it died) and rebuild the process group with it."""
-        w = self.workers[rank]
-        if w.proc.poll() is None:
-            w.proc.kill()
-        w.proc.wait()
+        """Start worker `rank` again (after it died) and rebuild the process group with it. Waits for the other
+        workers' calls in flight (their locks), so no reply is mixed up with the group's rebuild."""
+        locks = [self.workers[r].lock for r in range(self.n)]
+        for lock in locks:
+            lock.acquire()
         try:
-            w.conn.close()
-        except OSError:
-            pass
-        self._start(rank)
-        self.generation += 1
-        self.dist_port = free_port()
-        for r in range(self.n):  # every worker leaves the old group; all join the new one
-            self._call(r, "engine.pool.init_group", {"port": self.dist_port, "generation": self.generation},
-                       wait=False)
-        for r in range(self.n):
-            self._reply(r)
+            w = self.workers[rank]
+            if w.proc.poll() is None:  # another thread restarted it meanwhile, or it is alive after all
+                return
+            w.proc.wait()
+            try:
+                w.conn.close()
+            except OSError:
+                pass
+            self._start(rank)
+            self.workers[rank].lock = locks[rank]  # the new worker object keeps the lock held here
+            self.generation += 1
+            self.dist_port = free_port()
+            for r in range(self.n):  # every worker leaves the old group; all join the new one
+                self._call(r, "engine.pool.init_group", {"port": self.dist_port, "generation": self.generation},
+                           wait=False)
+            for r in range(self.n):
+                self._reply(r)
+        finally:
+            for lock in locks:
+                lock.release()
 
     # -- calls ----------------------------------------------------------------------------------------------------
 
@@ -211,7 +223,7 @@ class WorkerPool:
     def _call(self, rank: int, fn: str, kwargs: dict, wait: bool = True):
         w = self.workers[rank]
         try:
-            w.conn.send((fn, kwargs))
+            w.conn.send_bytes(pickle.dumps((fn, kwargs)))  # plain pickle: tensors travel by value
         except (OSError, EOFError):
             raise self._died(rank) from None
         return self._reply(rank) if wait else None
@@ -219,7 +231,7 @@ class WorkerPool:
     def _reply(self, rank: int):
         w = self.workers[rank]
         try:
-            ok, value = w.conn.recv()
+            ok, value = pickle.loads(w.conn.recv_bytes())
         except (OSError, EOFError):
             raise self._died(rank) from None
         if not ok:
@@ -250,7 +262,7 @@ class WorkerPool:
         self._closed = True
         for w in self.workers.values():
             try:
-                w.conn.send(None)  # stop
+                w.conn.send_bytes(pickle.dumps(None))  # stop
             except (OSError, EOFError):
                 pass
         for w in self.workers.values():
@@ -317,7 +329,8 @@ def init_group(port: int, generation: int) -> dict:
         dist.destroy_process_group()
     rank, world = int(os.environ["LGRPO_WORKER_RANK"]), int(os.environ["LGRPO_WORKER_WORLD"])
     backend = "nccl" if torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES") else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     _GROUP["generation"] = generation
     return {"rank": rank, "world": world, "backend": backend, "pid": os.getpid()}
 
@@ -358,21 +371,26 @@ def _serve(address: str) -> None:
     threading.Thread(target=orphan_watch, daemon=True, name="orphan-watch").start()
     host, port = address.rsplit(":", 1)
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["LGRPO_WORKER_KEY"]))
-    conn.send(("hello", rank))
+    conn.send_bytes(pickle.dumps(("hello", rank)))
     while True:
         try:
-            msg = conn.recv()
+            data = conn.recv_bytes()
         except (EOFError, OSError):  # the driver is gone: so is this worker
             break
-        if msg is None:
-            break
-        fn, kwargs = msg
         try:
+            msg = pickle.loads(data)
+            if msg is None:
+                break
+            fn, kwargs = msg
             mod, _, name = fn.rpartition(".")
-            value = getattr(importlib.import_module(mod), name)(**kwargs)
-            conn.send((True, value))
+            reply = (True, getattr(importlib.import_module(mod), name)(**kwargs))
         except BaseException as e:  # reported to the driver with the traceback; the worker goes on serving
-            conn.send((False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            reply = (False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        try:
+            conn.send_bytes(pickle.dumps(reply))
+        except Exception as e:  # a result that does not pickle: say so instead of dying
+            conn.send_bytes(pickle.dumps((False, f"the result of {msg[0] if isinstance(msg, tuple) else msg} could "
+                                                 f"not be sent: {type(e).__name__}: {e}")))
     try:
         import torch.distributed as dist
 

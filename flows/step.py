@@ -129,7 +129,10 @@ def grpo_step(run_dir: str, step: int, force_from: Stage | None = None) -> dict:
         rollouts = ro["path"]
     else:
         rollouts = inp["rollouts"]
-    rp = _run(T.replay, "replay", force_from, run_dir, step, rollouts, inp["adapter"], base, fresh)
+    if cfg.workers:
+        rp = _replay_on_workers(run_dir, step, rollouts, inp["adapter"], base, fresh, cfg.workers, force_from)
+    else:
+        rp = _run(T.replay, "replay", force_from, run_dir, step, rollouts, inp["adapter"], base, fresh)
     summaries.append(rp)
     old_replay = rp["path"] if fresh else inp["old_replay"]
     op = _run(T.optimize, "optimize", force_from,
@@ -179,6 +182,35 @@ def _generate_on_workers(run_dir: str, step: int, turn: int, state: str, adapter
     combined["workers"] = [{k: r[k] for k in ("worker", "rows", "wall_s", "latent_s", "answers_s") if k in r}
                            for r in results]
     return combined, gather
+
+
+def _replay_on_workers(run_dir: str, step: int, rollouts: str, adapter: str, base: str, fresh: bool, workers: int,
+                       force_from: str | None) -> dict:
+    """Replay on the pool: the turns split across the workers by token count, a replay task per worker (concurrent),
+    then gather-replay (every turn once; the parity gate). The graphs stay in the workers for optimize. Returns one
+    replay summary: wall seconds of the slowest worker plus the gather, per-worker figures under "workers"."""
+    from stages.replay import split_turns
+
+    table = read_table(rollouts)
+    lengths = [len(p) + len(a) + 1 for p, a in zip(table.column("prefix_ids").to_pylist(),
+                                                   table.column("answer_ids").to_pylist())]
+    parts = [(w, ids) for w, ids in sorted(split_turns(lengths, workers).items()) if ids]
+    rd = RunDir(Path(run_dir))
+    shards = [str(rd.replay(step)).replace(".arrow", f".w{w}.safetensors") for w, _ in parts]
+    task = _refresh(T.replay_on_worker, "replay", force_from)
+    futures = [task.submit(run_dir, step, rollouts, adapter, base, w, ids, shard) for (w, ids), shard in zip(parts, shards)]
+    results = []
+    for f in futures:
+        f.wait()
+        results.append(f.state.result() | {"cached": f.state.name == "Cached"})
+    g = _run(T.gather_replay, "replay", force_from, run_dir, step, rollouts, shards, [w for w, _ in parts], fresh,
+             adapter, base)
+    out = dict(g)
+    out["wall_s"] = max(r["wall_s"] for r in results) + g["wall_s"]
+    out["cached"] = g["cached"] and all(r["cached"] for r in results)
+    out["workers"] = [{k: r[k] for k in ("worker", "turns", "tokens", "microbatches", "wall_s") if k in r}
+                      for r in results]
+    return out
 
 
 def phase_times(summaries: list[dict]) -> dict[str, float]:

@@ -190,6 +190,30 @@ def gather_turn(run_dir: str, step: int, shards: list[str], out_path: str) -> di
     return fn(shards, out_path)
 
 
+@task(name="replay", retries=1, retry_delay_seconds=[2], **TASK_OPTIONS, task_run_name="replay-{step}-w{worker}")
+def replay_on_worker(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: str, worker: int,
+                     turn_ids: list[int], out_path: str) -> dict:
+    """Worker `worker`'s turns of replay, scored in that worker (its graphs stay there for optimize)."""
+    from engine.pool import pool_for
+    from stages.context import run_config
+
+    cfg = run_config(run_dir)
+    with gate_reports(run_dir, step, "", ""):
+        out = pool_for(run_dir, cfg.workers, cfg.device, worker_threads(cfg)).call(
+            worker, "stages.replay.replay_shard", run_dir=run_dir, step=step, rollouts_in=rollouts_in,
+            adapter_in=adapter_in, base_in=base_in, turn_ids=turn_ids, out_path=out_path)
+    return out | {"worker": worker}
+
+
+@task(name="gather-replay", retries=1, retry_delay_seconds=[2], **TASK_OPTIONS, task_run_name="gather-replay-{step}")
+def gather_replay(run_dir: str, step: int, rollouts_in: str, shards: list[str], workers: list[int], fresh: bool,
+                  adapter_in: str, base_in: str) -> dict:
+    from stages.replay import gather_replay as fn
+
+    with gate_reports(run_dir, step, adapter_in, base_in, rollouts_in):  # rollout parity, on the pool's replay
+        return fn(run_dir, step, rollouts_in, shards, workers, fresh)
+
+
 @task(name="run-gym", retries=3, retry_delay_seconds=[1, 2, 4], retry_jitter_factor=0.5, **TASK_OPTIONS,
       task_run_name="run-gym-{step}-{turn}")
 def run_gym(run_dir: str, step: int, turn: int, state_in: str, turn_in: str, base_in: str) -> dict:
@@ -289,9 +313,18 @@ def verify_checkpoint(run_dir: str, adapter_in: str, base_in: str) -> dict:
 @_stage_task("optimize", 1, [2])
 def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_replay_in: str, adapter_in: str,
              optimizer_in: str | None, base_in: str) -> dict:
+    from stages.context import run_config
     from stages.optimize import optimize as fn
+    from stages.optimize import optimize_on_workers
 
+    cfg = run_config(run_dir)
     with gate_reports(run_dir, step, adapter_in, base_in, rollouts_in):  # finite/nonzero gradients, determinism, ...
+        if cfg.workers:  # the loss here, the backward in the workers that hold the graphs (engine/pool.py)
+            from engine.pool import pool_for
+
+            pool = pool_for(run_dir, cfg.workers, cfg.device, worker_threads(cfg))
+            return optimize_on_workers(run_dir, step, rollouts_in, replay_in, old_replay_in, adapter_in, optimizer_in,
+                                       base_in, pool)
         return fn(run_dir, step, rollouts_in, replay_in, old_replay_in, adapter_in, optimizer_in, base_in)
 
 

@@ -239,3 +239,133 @@ def _check_bitwise(step: int, idx: list[int], a: list[torch.Tensor], q: torch.Te
                 "replay-determinism",
                 f"step {step}: re-scored turn {i} differs from the stored replay by {diff:.3e} "
                 "(the weights, micro-batch layout or kernels changed between replay and optimize)")
+
+
+# -- on the worker pool (engine/pool.py): loss on the driver, backward where each graph lives ------------------------
+
+_PENDING: dict = {}  # (run_dir, step) -> (engine, params, optimizer) between backward_shard and step_shard
+
+
+def backward_shard(run_dir: str, step: int, rollouts_in: str, replay_in: str, adapter_in: str, optimizer_in: str | None,
+                   base_in: str, microbatches: list[list[int]], tiers: list[str], w_thought: dict, w_answer: dict) -> dict:
+    """A worker's part of optimize: back-propagate Σ w·logp over its micro-batches (the graphs its replay kept, or
+    re-scored and checked bit for bit), then all-reduce the adapter gradients in FP32 over the workers. Returns the
+    gradient norm and the tensors that are not finite (identical on every worker: the gradients are)."""
+    import types
+
+    import torch.distributed as dist
+
+    from engine import runtime
+
+    cfg = run_config(run_dir)
+    runtime.set_threads(cfg.threads)
+    turns, roll = load_turns(rollouts_in)
+    rep = read_table(replay_in)
+    li = types.SimpleNamespace(turns=turns, sigma=float(table_meta(roll)["sigma"]),
+                               lp_turn=_thoughts_then_answer(rep, "trainer_logq", "trainer_logps"))
+    engine = runtime.trainer(cfg, base_in, base_in)
+    engine.use_adapter(adapter_in)
+    params = _adapter_params(engine.model)
+    opt = _optimizer(cfg, params, optimizer_in)
+    for _, p in params:
+        p.grad = torch.zeros_like(p)
+    live = engine.live.pop(live_key(rollouts_in, engine.adapter_digest), None)
+    if live is not None and len(live) != len(microbatches):
+        live = None  # not this plan's graphs: re-score
+    wt = {int(k): v for k, v in w_thought.items()}
+    wa = {int(k): v for k, v in w_answer.items()}
+    accumulate_gradients(cfg, engine, li, wt, wa, live, step, (microbatches, tiers))
+    for _, p in params:  # FP32 sums over the workers, in parameter order
+        dist.all_reduce(p.grad)
+    gnorm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for _, p in params])))
+    bad = [n for n, p in params if not bool(torch.isfinite(p.grad).all())]
+    _PENDING[(run_dir, step)] = (engine, params, opt)
+    return {"grad_norm": gnorm, "bad": bad[:20], "live_graph": live is not None}
+
+
+def step_shard(run_dir: str, step: int, write: bool) -> dict:
+    """AdamW on this worker's replica (the same update on every worker); the writer stores the adapter and the
+    optimizer state. Returns a digest of the updated adapter tensors: the driver checks the replicas agree bit for
+    bit."""
+    import hashlib
+
+    cfg = run_config(run_dir)
+    engine, params, opt = _PENDING.pop((run_dir, step))
+    if cfg.optimizer.max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_([p for _, p in params], cfg.optimizer.max_grad_norm)
+    engine.adapter_digest = None  # the weights change: the next use_adapter reloads from the written adapter
+    opt.step()
+    state = M.adapter_state(engine.model)
+    h = hashlib.sha256()
+    for k in sorted(state):
+        h.update(k.encode() + b"\0" + state[k].numpy().tobytes())
+    out = {"replica_digest": h.hexdigest()}
+    if write:
+        rd = RunDir(run_dir)
+        out["adapter_digest"] = write_adapter_dir(rd.adapter(step), M.adapter_config_dict(engine.model), state)
+        tensors, meta = _optimizer_tensors(opt, params)
+        write_tensors(rd.optimizer(step), tensors, meta)
+    return out
+
+
+def optimize_on_workers(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_replay_in: str,
+                        adapter_in: str, optimizer_in: str | None, base_in: str, pool) -> dict:
+    """optimize with the pool: the loss and its per-token weights once, on the driver; each worker back-propagates
+    the turns it replayed; gradients all-reduced in FP32; every replica applies the same AdamW update and the
+    driver checks they agree bit for bit before the step counts. The gates as in `optimize`."""
+    cfg = run_config(run_dir)
+    rd = RunDir(run_dir)
+    out = {"stage": "optimize"}
+    with timer(out):
+        li = loss_inputs(cfg, rollouts_in, replay_in, old_replay_in)
+        if cfg.model.attention_fp32:
+            gates.check_thought_gap(li.thought_gap, cfg.gates.thought_logq_gap_max, step)
+        metrics: dict = {}
+        w_thought, w_answer = driver_weights(cfg, li, metrics)
+        gates.check_finite_weights(
+            step, w_thought, w_answer,
+            lambda: [n - o for n, o in zip(li.lp_turn, from_sequences(li.rows, li.lengths, li.old_lp))],
+            cfg.grpo.max_log_ratio)
+        plan = json.loads(table_meta(replay_in)["plan"])
+        if "workers" not in plan:
+            raise ValueError(f"{replay_in} was replayed without the worker pool: run optimize the same way "
+                             f"(workers: 0), or replay again with the pool (lgrpo rerun --stage replay)")
+        owners = plan["workers"]
+
+        def part(w):
+            mbs = [mb for mb, o in zip(plan["microbatches"], owners) if o == w]
+            tiers = [t for t, o in zip(plan["tiers"], owners) if o == w]
+            mine = sorted({i for mb in mbs for i in mb})
+            return {"run_dir": run_dir, "step": step, "rollouts_in": rollouts_in, "replay_in": replay_in,
+                    "adapter_in": adapter_in, "optimizer_in": optimizer_in, "base_in": base_in, "microbatches": mbs,
+                    "tiers": tiers, "w_thought": {i: w_thought[i] for i in mine},
+                    "w_answer": {i: w_answer[i] for i in mine}}
+
+        with timer(out, "backward_s"):
+            res = pool.call_all("stages.optimize.backward_shard", part)
+        gnorm = res[0]["grad_norm"]
+        out["live_graph"] = all(r["live_graph"] for r in res)
+        signal = bool((li.adv != 0).any()) and bool(li.mask.any())
+        if any(r["grad_norm"] != gnorm for r in res):
+            raise gates.GateFailed("replica-agreement", f"step {step}: the workers' all-reduced gradient norms differ: "
+                                   f"{[r['grad_norm'] for r in res]}", {"step": step})
+        if not torch.isfinite(torch.tensor(gnorm)):
+            raise gates.GateFailed(
+                "finite-gradients", f"gradient norm is {gnorm} at step {step} although every loss weight was finite: "
+                f"the backward through the model produced it, in adapter tensors {res[0]['bad'][:3]}",
+                {"step": step, "tensors": res[0]["bad"]})
+        if cfg.gates.require_nonzero_grad and signal and gnorm == 0.0:
+            raise gates.GateFailed("nonzero-gradients", f"step {step} had non-zero advantages but an all-zero gradient")
+        steps = pool.call_all("stages.optimize.step_shard", lambda w: {"run_dir": run_dir, "step": step,
+                                                                      "write": w == 0})
+        digests = [s["replica_digest"] for s in steps]
+        if len(set(digests)) != 1:
+            raise gates.GateFailed("replica-agreement", f"step {step}: after the same AdamW update the adapter replicas "
+                                   f"differ ({digests}): a worker computed another update", {"step": step})
+        metrics.update(grad_norm=gnorm, signal=signal, tokens=int(li.mask.sum()), rollouts=li.n_rows,
+                       thought_logq_gap_max=li.thought_gap, workers=len(res))
+        write_json(rd.loss(step), metrics)
+        out.update(adapter=str(rd.adapter(step)), adapter_digest=steps[0]["adapter_digest"],
+                   optimizer=str(rd.optimizer(step)), loss=metrics["loss"], grad_norm=gnorm, signal=signal,
+                   thought_logq_gap_max=li.thought_gap, workers=len(res))
+    return out

@@ -70,31 +70,42 @@ def _turns(run_dir: str, step: int) -> list:
 
 
 @pytest.mark.slow
-def test_generate_turn_on_two_workers_through_prefect(prefect_harness, tmp_path, monkeypatch):
+def test_two_steps_on_two_workers_through_prefect(prefect_harness, tmp_path, monkeypatch):
+    """Fresh + reuse step with the pool: generate-turn and replay fanned out, the loss on the driver, backward in the
+    workers, FP32 all-reduce, the same AdamW on both replicas; a worker SIGKILLed mid-turn fails its task by name
+    and the retry completes. Against the run without workers: the same rollouts, adapters within 1e-6."""
+    import torch
+
+    from artifacts import RunDir, read_adapter_dir, read_json
     from engine import pool as P
     from flows.rerun import task_states
     from flows.step import grpo_step
 
-    one = make_run(tmp_path / "one")
-    assert grpo_step(one, 0, return_state=True).is_completed()
-    two = make_run(tmp_path / "two", workers=2)
+    pattern = {"steps.pattern": ["fresh", "reuse"]}
+    one = make_run(tmp_path / "one", **pattern)
+    for step in (0, 1):
+        assert grpo_step(one, step, return_state=True).is_completed()
+    two = make_run(tmp_path / "two", workers=2, **pattern)
     monkeypatch.setenv("LGRPO_WORKER_KILL_AT", "1:generate-turn:0")  # worker 1 dies in its first turn, once
-    state = grpo_step(two, 0, return_state=True)
-    P.close_all()
-    assert state.is_completed(), state
-    states = task_states(state.state_details.flow_run_id)
-    assert states["generate-turn-0-0-w0"] == "Completed" and states["generate-turn-0-0-w1"] == "Completed", states
-    assert states["gather-turn-0"] == "Completed"
+    try:
+        s0 = grpo_step(two, 0, return_state=True)
+        s1 = grpo_step(two, 1, return_state=True)
+    finally:
+        P.close_all()
+    assert s0.is_completed() and s1.is_completed(), (s0, s1)
+    st0, st1 = task_states(s0.state_details.flow_run_id), task_states(s1.state_details.flow_run_id)
+    for name in ("generate-turn-0-0-w0", "generate-turn-0-0-w1", "gather-turn-0", "replay-0-w0", "replay-0-w1",
+                 "gather-replay-0", "optimize-0"):
+        assert st0[name] == "Completed", (name, st0)
+    assert {"replay-1-w0", "replay-1-w1", "gather-replay-1", "optimize-1"} <= set(st1), st1
 
     from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterTaskRunId
 
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[s0.state_details.flow_run_id])))
         w1 = [r for r in runs if r.name == "generate-turn-0-0-w1"][0]
         assert w1.run_count == 2, "the killed worker's task ran twice: failed, then retried on a restarted worker"
-        from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
-
         logs = [l.message for l in client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[w1.id])))]
     assert any("worker 1 died (killed by SIGKILL)" in m for m in logs), logs
 
@@ -105,7 +116,12 @@ def test_generate_turn_on_two_workers_through_prefect(prefect_harness, tmp_path,
         assert ta["row"] == tb["row"] and ta["answer_ids"] == tb["answer_ids"] and ta["answer_text"] == tb["answer_text"]
         for x, y in zip(ta["thoughts"], tb["thoughts"]):
             np.testing.assert_allclose(np.array(x, dtype=np.float32), np.array(y, dtype=np.float32), atol=1e-4)
-    from artifacts import RunDir, read_json
-
     m = read_json(RunDir(two).metrics(0))
     assert [w["worker"] for w in m["generate_turns"][0]["workers"]] == [0, 1]
+    assert read_json(RunDir(two).loss(0))["workers"] == 2
+    for step in (0, 1):  # adapters: the all-reduced sum of two partial gradients against one sum
+        _, ref = read_adapter_dir(RunDir(one).adapter(step))
+        _, got = read_adapter_dir(RunDir(two).adapter(step))
+        num = sum(float((got[k] - ref[k]).pow(2).sum()) for k in ref) ** 0.5
+        den = sum(float(ref[k].pow(2).sum()) for k in ref) ** 0.5
+        assert num / den <= 1e-6, (step, num / den)

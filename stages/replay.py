@@ -122,7 +122,7 @@ def replay_shard(run_dir: str, step: int, rollouts_in: str, adapter_in: str, bas
     return out
 
 
-def gather_replay(run_dir: str, step: int, rollouts_in: str, shards: list[str], fresh: bool) -> dict:
+def gather_replay(run_dir: str, step: int, rollouts_in: str, shards: list[str], workers: list[int], fresh: bool) -> dict:
     """replay.arrow from the workers' shards (every turn exactly once), with the parity gate and report as replay
     writes them; the plan records each micro-batch's worker, so optimize back-propagates where the graph lives."""
     import json
@@ -135,7 +135,7 @@ def gather_replay(run_dir: str, step: int, rollouts_in: str, shards: list[str], 
         turns, table = load_turns(rollouts_in)
         n = len(turns.rows)
         ans, lq, mbs, tiers, owners, adapters = {}, {}, [], [], [], set()
-        for w, path in enumerate(shards):
+        for w, path in zip(workers, shards):
             tensors, meta = read_tensors(path)
             for i in json.loads(meta["turns"]):
                 if i in ans:

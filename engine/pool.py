@@ -235,6 +235,10 @@ class WorkerPool:
         except (OSError, EOFError):
             raise self._died(rank) from None
         if not ok:
+            if isinstance(value, dict) and "gate" in value:
+                from engine.gates import GateFailed
+
+                raise GateFailed(value["gate"], f"{value['message']} (in worker {rank})", value["report"])
             raise WorkerError(f"worker {rank}: {value}")
         return value
 
@@ -385,7 +389,14 @@ def _serve(address: str) -> None:
             mod, _, name = fn.rpartition(".")
             reply = (True, getattr(importlib.import_module(mod), name)(**kwargs))
         except BaseException as e:  # reported to the driver with the traceback; the worker goes on serving
-            reply = (False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+            gate = getattr(e, "gate", None)
+            if gate is not None:  # a failed gate stays a GateFailed on the driver: never retried, its report kept
+                prefix = f"gate `{gate}` failed: "
+                text = str(e)
+                reply = (False, {"gate": gate, "message": text[len(prefix):] if text.startswith(prefix) else text,
+                                 "report": getattr(e, "report", {}), "traceback": traceback.format_exc()})
+            else:
+                reply = (False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
         try:
             conn.send_bytes(pickle.dumps(reply))
         except Exception as e:  # a result that does not pickle: say so instead of dying

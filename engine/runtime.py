@@ -331,8 +331,10 @@ def sampler(cfg, export_dir: str | Path, tok_dir: str | Path):
            cfg.generation.model_dump_json())
     if key not in _ENGINES:
         if cfg.sampler.kind == "vllm":
+            from artifacts.checkpoint import resolve
             from engine.vllm_sampler import from_run_config
 
+            tok_dir = resolve(tok_dir)  # vLLM reads the tokenizer files themselves: a checkpoint used in place
             run_dir = Path(export_dir).resolve().parents[1]  # <run>/export/<base hash>
             s = cfg.sampler
             _ENGINES[key] = VllmEngine(

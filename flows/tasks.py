@@ -296,18 +296,16 @@ def replay(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: 
 
 @_stage_task("probe", 1, [2])
 def probe(run_dir: str, step: int, adapter_in: str, export_in: str, base_in: str) -> dict:
-    from stages.probe import probe as fn
-
     with gate_reports(run_dir, step, adapter_in, base_in):
-        return fn(run_dir, step, adapter_in, export_in, base_in)
+        return on_pool_or_here("stages.probe.probe", run_dir=run_dir, step=step, adapter_in=adapter_in,
+                               export_in=export_in, base_in=base_in)
 
 
 @task(name="verify-checkpoint", retries=1, retry_delay_seconds=[2], **TASK_OPTIONS)
 def verify_checkpoint(run_dir: str, adapter_in: str, base_in: str) -> dict:
-    from stages.probe import verify_checkpoint as fn
-
     with gate_reports(run_dir, None, adapter_in, base_in):
-        return fn(run_dir, adapter_in, base_in)
+        return on_pool_or_here("stages.probe.verify_checkpoint", run_dir=run_dir, adapter_in=adapter_in,
+                               base_in=base_in)
 
 
 @_stage_task("optimize", 1, [2])
@@ -330,6 +328,22 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
 
 @task(name="evaluate", retries=1, retry_delay_seconds=[2], **TASK_OPTIONS, task_run_name="evaluate-{tag}")
 def evaluate(run_dir: str, tag: str, adapter_in: str, export_in: str, base_in: str) -> dict:
-    from stages.evaluate import evaluate as fn
+    return on_pool_or_here("stages.evaluate.evaluate", run_dir=run_dir, tag=tag, adapter_in=adapter_in,
+                           export_in=export_in, base_in=base_in)
 
-    return fn(run_dir, tag, adapter_in, export_in, base_in)
+
+def on_pool_or_here(fn: str, **kwargs):
+    """A stage that builds engines (`fn`, a dotted path, called with kwargs, run_dir among them): in worker 0 when the
+    run has a pool (the driver then never holds a model), else in this process."""
+    import importlib
+
+    from stages.context import run_config
+
+    run_dir = kwargs["run_dir"]
+    cfg = run_config(run_dir)
+    if cfg.workers:
+        from engine.pool import pool_for
+
+        return pool_for(run_dir, cfg.workers, cfg.device, worker_threads(cfg)).call(0, fn, **kwargs)
+    mod, _, name = fn.rpartition(".")
+    return getattr(importlib.import_module(mod), name)(**kwargs)

@@ -31,16 +31,21 @@ def train(params: TrainParameters = TrainParameters()) -> dict:
     base = T.bootstrap_base(run_dir, tok["path"])
     init = T.init_adapter(run_dir, base["path"])
     record_prepared(run_dir, tok, base, init)
+    try:
+        return _run_steps(cfg, rd, run_dir, base, init)
+    finally:
+        pool.close_all()  # the run's worker processes (cfg.workers) end with the run
+
+
+def _run_steps(cfg, rd, run_dir: str, base: dict, init: dict) -> dict:
+    """The export, the held-out evaluation before, the steps, the verified checkpoint and the evaluation after."""
     ex = T.export_base(run_dir, base["path"])
     before = T.evaluate(run_dir, "before", init["path"], ex["path"], base["path"])
     curves.write_scalars(run_dir, 0, curves.eval_scalars(before))
     history = []
-    try:
-        with step_flows() as step_flow:
-            for step in range(cfg.steps.total):
-                history.append(step_flow(run_dir, step))
-    finally:
-        pool.close_all()  # the run's worker processes (cfg.workers) end with its steps
+    with step_flows() as step_flow:
+        for step in range(cfg.steps.total):
+            history.append(step_flow(run_dir, step))
     final = str(rd.adapter(cfg.steps.total - 1))
     verified = T.verify_checkpoint(run_dir, final, base["path"]) if cfg.gates.verify_checkpoint else None
     after = T.evaluate(run_dir, f"step-{cfg.steps.total - 1:04d}", final, ex["path"], base["path"])

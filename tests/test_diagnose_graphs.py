@@ -21,8 +21,8 @@ def _worst_report(run_dir: str, step: int, rollouts: str, min_token: int = 0) ->
     from artifacts import read_json, read_table
 
     report = read_json(f"{run_dir}/step-{step:04d}/parity.json")
-    if min_token == 0:
-        return report
+    if min_token == 0 and report.get("worst_tokens"):
+        return report  # (a report can name none: tokens under gates.parity_min_prob in both engines are left out)
     trainer = read_table(f"{run_dir}/step-{step:04d}/replay.arrow").column("trainer_logps").to_pylist()
     sampler = read_table(rollouts).column("sampler_logps").to_pylist()
     worst = [{"turn": i, "token": j, "trainer": t[j], "sampler": s[j], "gap": abs(t[j] - s[j])}

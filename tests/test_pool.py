@@ -56,6 +56,28 @@ def test_sigusr1_dumps_every_workers_stacks(pool):
     assert all("most recent call first" in t and "_serve" in t for t in logs), logs
 
 
+def divide(a: float, b: float) -> float:
+    return a / b
+
+
+def raise_gate(gate: str) -> None:
+    from engine.gates import GateFailed
+
+    raise GateFailed(gate, "injected in a worker", {"where": "worker"})
+
+
+def test_a_gate_failed_in_a_worker_stays_a_gate_failure_on_the_driver(pool):
+    from engine.gates import GateFailed
+    from engine.pool import WorkerError
+
+    with pytest.raises(GateFailed, match=r"gate `replay-determinism` failed: injected in a worker \(in worker 1\)") as e:
+        pool.call(1, "tests.test_pool.raise_gate", gate="replay-determinism")
+    assert e.value.gate == "replay-determinism" and e.value.report == {"where": "worker"}
+    with pytest.raises(WorkerError, match="ZeroDivisionError"):  # any other error: named, with the traceback
+        pool.call(0, "tests.test_pool.divide", a=1, b=0)
+    assert pool.call(0, "engine.pool.info")["rank"] == 0  # the worker goes on serving
+
+
 def _turns(run_dir: str, step: int) -> list:
     from artifacts import RunDir, read_table
 
@@ -106,7 +128,12 @@ def test_two_steps_on_two_workers_through_prefect(prefect_harness, tmp_path, mon
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[s0.state_details.flow_run_id])))
         w1 = [r for r in runs if r.name == "generate-turn-0-0-w1"][0]
         assert w1.run_count == 2, "the killed worker's task ran twice: failed, then retried on a restarted worker"
-        logs = [l.message for l in client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[w1.id])))]
+        deadline, logs = time.time() + 30, []
+        while time.time() < deadline:  # Prefect ships task-run logs to its API in batches: wait for them
+            logs = [l.message for l in client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[w1.id])))]
+            if any("worker 1 died (killed by SIGKILL)" in m for m in logs):
+                break
+            time.sleep(0.5)
     assert any("worker 1 died (killed by SIGKILL)" in m for m in logs), logs
 
     # the rollouts do not depend on placement: same rows, same answers, thoughts to float rounding
@@ -125,3 +152,23 @@ def test_two_steps_on_two_workers_through_prefect(prefect_harness, tmp_path, mon
         num = sum(float((got[k] - ref[k]).pow(2).sum()) for k in ref) ** 0.5
         den = sum(float(ref[k].pow(2).sum()) for k in ref) ** 0.5
         assert num / den <= 1e-6, (step, num / den)
+
+
+@pytest.mark.slow
+def test_a_training_run_on_two_workers_ends_with_its_pool(prefect_harness, tmp_path):
+    """`train` with workers=2: the held-out evaluation, the probe and the checkpoint verification run in worker 0,
+    the steps on both; the pool's processes end with the run."""
+    from configs.params import TrainParameters
+    from engine import pool as P
+    from flows.train import train
+    from tests.conftest import SMALL
+
+    overrides = {**SMALL, "workers": 2, "steps.total": 2, "gym.eval_tasks": 2}
+    state = train(params=TrainParameters(config="tiny", run_dir=str(tmp_path / "run"), overrides=overrides),
+                  return_state=True)
+    assert state.is_completed(), state
+    summary = state.result()
+    assert summary["verified_checkpoint"]["identical"] and len(summary["steps"]) == 2
+    assert not P._POOLS, "the run's pool is closed when the train flow ends"
+    logs = sorted((tmp_path / "run" / "logs").glob("worker-*.log"))
+    assert [p.name for p in logs] == ["worker-0.log", "worker-1.log"]

@@ -593,6 +593,7 @@ def test_pipeline_step_with_vllm_passes_parity_and_a_skipped_reload_fails_it(tmp
     run_dir = make_run(tmp_path / "run", **{"sampler.kind": "vllm", "model.dtype": "bfloat16",
                                              "model.source": "pretrained", "model.path": str(ckpt),
                                              "tokenizer.path": str(ckpt), "steps.pattern": ["fresh"],
+                                             "bootstrap.enabled": False,
                                              "grpo.groups_per_step": 4})
     first = fresh_step(run_dir, 0, f"{run_dir}/adapter-init")
     report = read_json(RunDir(run_dir).parity(0))

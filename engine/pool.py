@@ -32,6 +32,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, Listener
@@ -153,12 +154,18 @@ class WorkerPool:
 
         t = threading.Thread(target=accept, daemon=True)
         t.start()
-        t.join(START_TIMEOUT_S)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while t.is_alive() and proc.poll() is None and time.monotonic() < deadline:
+            t.join(0.2)
         conn = result.get("conn")
-        if conn is None:
-            proc.kill()
-            raise WorkerDied(rank, f"did not connect within {START_TIMEOUT_S:.0f} s ({_exit_cause(proc.poll())})",
-                             _tail(log))
+        if conn is None:  # died while starting (an import error, say) or never connected: say so now
+            if proc.poll() is None:
+                proc.kill()
+            cause = _exit_cause(proc.wait())
+            # a fresh listener: the old one's accept may still be pending and must not take a later worker's call
+            self._listener.close()
+            self._listener = Listener(("127.0.0.1", 0), authkey=self._key)
+            raise WorkerDied(rank, f"did not connect at start ({cause})", _tail(log))
         hello = pickle.loads(conn.recv_bytes())
         if hello != ("hello", rank):
             raise RuntimeError(f"worker {rank}: unexpected greeting {hello!r}")
@@ -183,6 +190,7 @@ class WorkerPool:
             except OSError:
                 pass
             self._start(rank)
+            self._event("restarted", rank, pid=self.workers[rank].proc.pid)
             self.workers[rank].lock = locks[rank]  # the new worker object keeps the lock held here
             self.generation += 1
             self.dist_port = free_port()
@@ -248,7 +256,15 @@ class WorkerPool:
             code = w.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             code = None
+        self._event("died", rank, cause=_exit_cause(code), pid=w.proc.pid)
         return WorkerDied(rank, _exit_cause(code), _tail(w.log))
+
+    def _event(self, what: str, rank: int, **fields) -> None:
+        """One line in <run>/logs/pool-events.jsonl: what happened to which worker, when (deaths, restarts)."""
+        import json
+
+        with open(self.logs / "pool-events.jsonl", "a") as f:
+            f.write(json.dumps({"time": time.time(), "event": what, "rank": rank, **fields}) + "\n")
 
     def pids(self) -> list[int]:
         return [self.workers[r].proc.pid for r in range(self.n)]
@@ -365,8 +381,6 @@ def _serve(address: str) -> None:
     parent = os.getppid()
 
     def orphan_watch():  # the driver died (SIGKILL included): this worker must not outlive it
-        import time
-
         while True:
             time.sleep(1.0)
             if os.getppid() != parent:

@@ -137,9 +137,7 @@ def init_adapter(run_dir: str, base_in: str) -> dict:
 
 @_stage_task("export", 1, [2])
 def export_base(run_dir: str, base_in: str) -> dict:
-    from stages.export import export_base as fn
-
-    return fn(run_dir, base_in)
+    return on_pool_or_here("stages.export.export_base", run_dir=run_dir, base_dir=base_in)  # may load the base
 
 
 @_stage_task("sample-tasks", 1, [2])
@@ -261,9 +259,8 @@ def report_gate_failure(run_dir: str, step: int | None, exc: GateFailed, adapter
     if not diagnosed:
         return
     try:
-        from stages.diagnose import diagnose
-
-        d = diagnose(run_dir, step, exc.gate, exc.report, adapter_in, base_in, rollouts_in)
+        d = on_pool_or_here("stages.diagnose.diagnose", run_dir=run_dir, step=step, gate=exc.gate, report=exc.report,
+                            adapter_in=adapter_in, base_in=base_in, rollouts_in=rollouts_in)
     except Exception as diag_exc:  # noqa: BLE001 - the gate's own error is what the task raises
         logger.error("diagnostic for gate %s failed: %r", exc.gate, diag_exc)
         return

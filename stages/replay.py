@@ -38,9 +38,19 @@ def live_key(rollouts_in: str, adapter_digest: str) -> tuple[str, str]:
     return (verify(rollouts_in), adapter_digest)
 
 
-def _score(cfg, engine, turns: Turns, sigma: float, step: int, keep_graph: bool, turn_ids: list[int] | None = None):
-    """Score `turn_ids` (default: every turn) micro-batch by micro-batch as planned. Returns ({turn: answer lp},
-    {turn: thought logq}, live graphs per micro-batch, global micro-batches, tiers, the plan's summary)."""
+def _scored(cfg, step: int, rollouts_in: str, adapter_in: str, base_in: str, keep_graph: bool,
+            turn_ids: list[int] | None = None):
+    """The trainer engine under `adapter_in` scores `turn_ids` (default: every turn) of the stored rollouts, micro-batch
+    by micro-batch as planned. Returns (engine, turns, rollouts table, {turn: answer lp}, {turn: thought logq}, live
+    graphs per micro-batch, global micro-batches, tiers, the plan's summary)."""
+    from engine import runtime
+
+    runtime.set_threads(cfg.threads)
+    turns, table = load_turns(rollouts_in)
+    sigma = float(table_meta(table)["sigma"])
+    engine = runtime.trainer(cfg, base_in, base_in)
+    engine.use_adapter(adapter_in)
+    engine.live.clear()
     ids = list(range(len(turns.rows))) if turn_ids is None else list(turn_ids)
     sub = Turns(prefixes=[turns.prefixes[i] for i in ids], thoughts=[turns.thoughts[i] for i in ids],
                 answers=[turns.answers[i] for i in ids], rows=[turns.rows[i] for i in ids])
@@ -57,23 +67,16 @@ def _score(cfg, engine, turns: Turns, sigma: float, step: int, keep_graph: bool,
             ans_lp[i] = a[j].detach().cpu()
             logq[i] = q[j].detach().cpu()
         del a, q
-    return ans_lp, logq, live, mbs, list(plan.tiers), plan.summary()
+    return engine, turns, table, ans_lp, logq, live, mbs, list(plan.tiers), plan.summary()
 
 
 def replay(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: str, fresh: bool,
            keep_graph: bool = True) -> dict:
-    from engine import runtime
-
     cfg = run_config(run_dir)
-    runtime.set_threads(cfg.threads)
     out = {"stage": "replay", "fresh": fresh}
     with timer(out):
-        turns, table = load_turns(rollouts_in)
-        sigma = float(table_meta(table)["sigma"])
-        engine = runtime.trainer(cfg, base_in, base_in)
-        engine.use_adapter(adapter_in)
-        engine.live.clear()
-        ans, lq, live, mbs, tiers, summary = _score(cfg, engine, turns, sigma, step, keep_graph)
+        engine, turns, table, ans, lq, live, mbs, tiers, summary = _scored(cfg, step, rollouts_in, adapter_in, base_in,
+                                                                          keep_graph)
         n = len(turns.rows)
         _finish(cfg, run_dir, step, turns, table, [ans[i] for i in range(n)], [lq[i] for i in range(n)], fresh,
                 engine.adapter_digest, {"microbatches": mbs, "tiers": tiers}, out)
@@ -98,20 +101,15 @@ def replay_shard(run_dir: str, step: int, rollouts_in: str, adapter_in: str, bas
                  out_path: str, keep_graph: bool = True) -> dict:
     """A pool worker's share of replay (engine/pool.py): its turns scored as planned for its device, the graphs kept
     in this worker for its part of optimize, the values written to `out_path` (gather_replay joins the shards)."""
-    from artifacts import write_tensors
-    from engine import runtime
     import json
 
+    from artifacts import write_tensors
+
     cfg = run_config(run_dir)
-    runtime.set_threads(cfg.threads)
     out = {"stage": "replay"}
     with timer(out):
-        turns, table = load_turns(rollouts_in)
-        sigma = float(table_meta(table)["sigma"])
-        engine = runtime.trainer(cfg, base_in, base_in)
-        engine.use_adapter(adapter_in)
-        engine.live.clear()
-        ans, lq, live, mbs, tiers, summary = _score(cfg, engine, turns, sigma, step, keep_graph, turn_ids)
+        engine, turns, _, ans, lq, live, mbs, tiers, summary = _scored(cfg, step, rollouts_in, adapter_in, base_in,
+                                                                      keep_graph, turn_ids)
         tensors = {**{f"a.{i}": ans[i] for i in turn_ids}, **{f"q.{i}": lq[i] for i in turn_ids}}
         write_tensors(out_path, tensors, {"turns": json.dumps(list(turn_ids)), "adapter": engine.adapter_digest,
                                           "plan": json.dumps({"microbatches": mbs, "tiers": tiers})})

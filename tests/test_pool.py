@@ -50,7 +50,7 @@ def test_sigusr1_dumps_every_workers_stacks(pool):
     deadline = time.time() + 10
     while time.time() < deadline:
         logs = [w.log.read_text(errors="replace") for w in pool.workers.values()]
-        if all("most recent call first" in t for t in logs):
+        if all("most recent call first" in t and "_serve" in t for t in logs):  # the dump is written line by line
             break
         time.sleep(0.2)
     assert all("most recent call first" in t and "_serve" in t for t in logs), logs
@@ -122,19 +122,16 @@ def test_two_steps_on_two_workers_through_prefect(prefect_harness, tmp_path, mon
     assert {"replay-1-w0", "replay-1-w1", "gather-replay-1", "optimize-1"} <= set(st1), st1
 
     from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterTaskRunId
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[s0.state_details.flow_run_id])))
         w1 = [r for r in runs if r.name == "generate-turn-0-0-w1"][0]
         assert w1.run_count == 2, "the killed worker's task ran twice: failed, then retried on a restarted worker"
-        deadline, logs = time.time() + 30, []
-        while time.time() < deadline:  # Prefect ships task-run logs to its API in batches: wait for them
-            logs = [l.message for l in client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[w1.id])))]
-            if any("worker 1 died (killed by SIGKILL)" in m for m in logs):
-                break
-            time.sleep(0.5)
-    assert any("worker 1 died (killed by SIGKILL)" in m for m in logs), logs
+    from artifacts import read_jsonl
+
+    events = [(e["event"], e["rank"], e.get("cause")) for e in read_jsonl(tmp_path / "two" / "logs" / "pool-events.jsonl")]
+    assert events == [("died", 1, "killed by SIGKILL"), ("restarted", 1, None)], events  # the task's error said so too
 
     # the rollouts do not depend on placement: same rows, same answers, thoughts to float rounding
     a, b = _turns(one, 0), _turns(two, 0)
@@ -170,5 +167,19 @@ def test_a_training_run_on_two_workers_ends_with_its_pool(prefect_harness, tmp_p
     summary = state.result()
     assert summary["verified_checkpoint"]["identical"] and len(summary["steps"]) == 2
     assert not P._POOLS, "the run's pool is closed when the train flow ends"
+    from engine import runtime
+
+    held = [k for k in runtime._ENGINES if any(str(tmp_path) in str(x) for x in k)]
+    assert not held, f"the driver built engines of its own: {held}"  # every model lives in the workers
     logs = sorted((tmp_path / "run" / "logs").glob("worker-*.log"))
     assert [p.name for p in logs] == ["worker-0.log", "worker-1.log"]
+
+
+def test_a_worker_that_dies_while_starting_is_named_at_once(tmp_path, monkeypatch):
+    from engine.pool import WorkerDied, WorkerPool
+
+    monkeypatch.setenv("LGRPO_WORKER_THREADS", "not-a-number")  # the worker dies parsing it, before it connects
+    t0 = time.perf_counter()
+    with pytest.raises(WorkerDied, match=r"worker 0 died \(did not connect at start \(exit code 1\)\)"):
+        WorkerPool(tmp_path, 1, "cpu")
+    assert time.perf_counter() - t0 < 60, "a worker that died at start is reported when it dies, not at a timeout"

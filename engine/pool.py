@@ -89,7 +89,6 @@ class _Worker:
     conn: Connection
     log: Path
     lock: threading.Lock = field(default_factory=threading.Lock)
-    starts: int = 1
 
 
 class WorkerPool:
@@ -105,13 +104,12 @@ class WorkerPool:
         self._listener = Listener(("127.0.0.1", 0), authkey=self._key)
         self._accept_lock = threading.Lock()
         self.dist_port = free_port()
-        self.generation = 0  # bumped when the process group is rebuilt (a restarted worker rejoins a new one)
         self.workers: dict[int, _Worker] = {}
         self._kill_spec = os.environ.get("LGRPO_WORKER_KILL_AT")
         self._closed = False
         for rank in range(self.n):
             self._start(rank)
-        self.call_all("engine.pool.init_group", lambda r: {"port": self.dist_port, "generation": self.generation})
+        self.call_all("engine.pool.init_group", lambda r: {"port": self.dist_port})
 
     # -- processes ------------------------------------------------------------------------------------------------
 
@@ -141,7 +139,7 @@ class WorkerPool:
         f.close()
         with self._accept_lock:  # workers say who they are when they connect
             conn = self._accept(proc, rank, log)
-        self.workers[rank] = _Worker(rank, proc, conn, log, starts=(old.starts + 1) if old else 1)
+        self.workers[rank] = _Worker(rank, proc, conn, log)
 
     def _accept(self, proc, rank: int, log: Path) -> Connection:
         result: dict = {}
@@ -165,7 +163,8 @@ class WorkerPool:
             # a fresh listener: the old one's accept may still be pending and must not take a later worker's call
             self._listener.close()
             self._listener = Listener(("127.0.0.1", 0), authkey=self._key)
-            raise WorkerDied(rank, f"did not connect at start ({cause})", _tail(log))
+            why = f"; the listener: {result['error']}" if "error" in result else ""
+            raise WorkerDied(rank, f"did not connect at start ({cause}){why}", _tail(log))
         hello = pickle.loads(conn.recv_bytes())
         if hello != ("hello", rank):
             raise RuntimeError(f"worker {rank}: unexpected greeting {hello!r}")
@@ -192,10 +191,9 @@ class WorkerPool:
             self._start(rank)
             self._event("restarted", rank, pid=self.workers[rank].proc.pid)
             self.workers[rank].lock = locks[rank]  # the new worker object keeps the lock held here
-            self.generation += 1
             self.dist_port = free_port()
             for r in range(self.n):  # every worker leaves the old group; all join the new one
-                self._call(r, "engine.pool.init_group", {"port": self.dist_port, "generation": self.generation},
+                self._call(r, "engine.pool.init_group", {"port": self.dist_port},
                            wait=False)
             for r in range(self.n):
                 self._reply(r)
@@ -337,10 +335,7 @@ def install_stack_dumps() -> None:
 
 # -- the worker side ------------------------------------------------------------------------------------------------
 
-_GROUP = {"generation": None}
-
-
-def init_group(port: int, generation: int) -> dict:
+def init_group(port: int) -> dict:
     """Join the workers' process group (gloo on CPU, NCCL on GPU) at 127.0.0.1:port; leave an older one first."""
     import torch
     import torch.distributed as dist
@@ -351,7 +346,6 @@ def init_group(port: int, generation: int) -> dict:
     backend = "nccl" if torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES") else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
-    _GROUP["generation"] = generation
     return {"rank": rank, "world": world, "backend": backend, "pid": os.getpid()}
 
 
@@ -416,13 +410,10 @@ def _serve(address: str) -> None:
         except Exception as e:  # a result that does not pickle: say so instead of dying
             conn.send_bytes(pickle.dumps((False, f"the result of {msg[0] if isinstance(msg, tuple) else msg} could "
                                                  f"not be sent: {type(e).__name__}: {e}")))
-    try:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:
-        pass
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -144,6 +144,21 @@ def grpo_step(run_dir: str, step: int, force_from: Stage | None = None) -> dict:
     return publish(run_dir, step, inp["kind"], summaries)
 
 
+def _fan_out(task, stage: str, force_from: str | None, arglists: list[tuple]) -> list[dict]:
+    """One run of `task` per argument list, concurrently (one per worker), as `_run` runs one: a failed one re-raises
+    its error, and a cached one whose artifact is gone runs again."""
+    futures = [_refresh(task, stage, force_from).submit(*args) for args in arglists]
+    for f in futures:
+        f.wait()
+    results = []
+    for f, args in zip(futures, arglists):
+        result = f.state.result() | {"cached": f.state.name == "Cached"}
+        if result["cached"] and isinstance(result.get("path"), str) and not Path(result["path"]).exists():
+            result = task.with_options(refresh_cache=True)(*args) | {"cached": False}
+        results.append(result)
+    return results
+
+
 def _generate_on_workers(run_dir: str, step: int, turn: int, state: str, adapter: str, export: str, base: str,
                          placement: dict[int, list[int]], force_from: str | None) -> tuple[dict, dict]:
     """One model turn on the pool: a generate-turn task per worker with active rows, run concurrently (the UI shows
@@ -155,19 +170,9 @@ def _generate_on_workers(run_dir: str, step: int, turn: int, state: str, adapter
     jobs = [(w, [r for r in rows if not done[r]]) for w, rows in sorted(placement.items())]
     jobs = [(w, rows) for w, rows in jobs if rows]
     shards = [turn_path.replace(".arrow", f".w{w}.arrow") for w, _ in jobs]
-    task = _refresh(T.generate_turn_on_worker, "generate-turn", force_from)
-    futures = [task.submit(run_dir, step, turn, state, adapter, export, base, w, rows, shard)
-               for (w, rows), shard in zip(jobs, shards)]
-    results = []
-    for f in futures:
-        f.wait()
-        results.append(f.state.result() | {"cached": f.state.name == "Cached"})  # re-raises a failed worker's error
-    for r, shard in zip(results, shards):
-        if r["cached"] and not Path(shard).exists():  # a cached summary whose shard is gone: run it again
-            w = r["worker"]
-            rows = dict(jobs)[w]
-            r.update(T.generate_turn_on_worker.with_options(refresh_cache=True)(
-                run_dir, step, turn, state, adapter, export, base, w, rows, shard), cached=False)
+    results = _fan_out(T.generate_turn_on_worker, "generate-turn", force_from,
+                       [(run_dir, step, turn, state, adapter, export, base, w, rows, shard)
+                        for (w, rows), shard in zip(jobs, shards)])
     gather = _run(T.gather_turn, "generate-turn", force_from, run_dir, step, shards, turn_path)
     keys_max = ("wall_s", "latent_s", "answers_s", "latent_prefill_s", "answers_prefill_s")
     keys_sum = ("rows", "answer_tokens", "prefix_tokens", "prefix_input_tokens", "prefix_computed_tokens")
@@ -197,12 +202,8 @@ def _replay_on_workers(run_dir: str, step: int, rollouts: str, adapter: str, bas
     parts = [(w, ids) for w, ids in sorted(split_turns(lengths, workers).items()) if ids]
     rd = RunDir(Path(run_dir))
     shards = [str(rd.replay(step)).replace(".arrow", f".w{w}.safetensors") for w, _ in parts]
-    task = _refresh(T.replay_on_worker, "replay", force_from)
-    futures = [task.submit(run_dir, step, rollouts, adapter, base, w, ids, shard) for (w, ids), shard in zip(parts, shards)]
-    results = []
-    for f in futures:
-        f.wait()
-        results.append(f.state.result() | {"cached": f.state.name == "Cached"})
+    results = _fan_out(T.replay_on_worker, "replay", force_from,
+                       [(run_dir, step, rollouts, adapter, base, w, ids, shard) for (w, ids), shard in zip(parts, shards)])
     g = _run(T.gather_replay, "replay", force_from, run_dir, step, rollouts, shards, [w for w, _ in parts], fresh,
              adapter, base)
     out = dict(g)

@@ -161,14 +161,19 @@ def generate_turn_on_worker(run_dir: str, step: int, turn: int, state_in: str, a
                             base_in: str, worker: int, rows: list[int], out_path: str) -> dict:
     """One model turn for `rows` (the worker's GRPO groups) in pool worker `worker` (engine/pool.py): a dead worker
     fails this task naming it, and the retry runs on a restarted one."""
-    from engine.pool import pool_for
     from stages.context import run_config
 
-    cfg = run_config(run_dir)
-    pool = pool_for(run_dir, cfg.workers, cfg.device, worker_threads(cfg))
-    out = pool.call(worker, "stages.generate.generate_turn", run_dir=run_dir, step=step, turn=turn, state_in=state_in,
-                    adapter_in=adapter_in, export_in=export_in, base_in=base_in, out_path=out_path, rows=rows)
+    out = run_pool(run_config(run_dir), run_dir).call(
+        worker, "stages.generate.generate_turn", run_dir=run_dir, step=step, turn=turn, state_in=state_in,
+        adapter_in=adapter_in, export_in=export_in, base_in=base_in, out_path=out_path, rows=rows)
     return out | {"worker": worker}
+
+
+def run_pool(cfg, run_dir: str):
+    """The run's worker pool (engine/pool.py), started on first use."""
+    from engine.pool import pool_for
+
+    return pool_for(run_dir, cfg.workers, cfg.device, worker_threads(cfg))
 
 
 def worker_threads(cfg) -> int | None:
@@ -192,12 +197,11 @@ def gather_turn(run_dir: str, step: int, shards: list[str], out_path: str) -> di
 def replay_on_worker(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: str, worker: int,
                      turn_ids: list[int], out_path: str) -> dict:
     """Worker `worker`'s turns of replay, scored in that worker (its graphs stay there for optimize)."""
-    from engine.pool import pool_for
     from stages.context import run_config
 
     cfg = run_config(run_dir)
     with gate_reports(run_dir, step, "", ""):
-        out = pool_for(run_dir, cfg.workers, cfg.device, worker_threads(cfg)).call(
+        out = run_pool(cfg, run_dir).call(
             worker, "stages.replay.replay_shard", run_dir=run_dir, step=step, rollouts_in=rollouts_in,
             adapter_in=adapter_in, base_in=base_in, turn_ids=turn_ids, out_path=out_path)
     return out | {"worker": worker}
@@ -315,11 +319,8 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
     cfg = run_config(run_dir)
     with gate_reports(run_dir, step, adapter_in, base_in, rollouts_in):  # finite/nonzero gradients, determinism, ...
         if cfg.workers:  # the loss here, the backward in the workers that hold the graphs (engine/pool.py)
-            from engine.pool import pool_for
-
-            pool = pool_for(run_dir, cfg.workers, cfg.device, worker_threads(cfg))
             return optimize_on_workers(run_dir, step, rollouts_in, replay_in, old_replay_in, adapter_in, optimizer_in,
-                                       base_in, pool)
+                                       base_in, run_pool(cfg, run_dir))
         return fn(run_dir, step, rollouts_in, replay_in, old_replay_in, adapter_in, optimizer_in, base_in)
 
 
@@ -339,8 +340,6 @@ def on_pool_or_here(fn: str, **kwargs):
     run_dir = kwargs["run_dir"]
     cfg = run_config(run_dir)
     if cfg.workers:
-        from engine.pool import pool_for
-
-        return pool_for(run_dir, cfg.workers, cfg.device, worker_threads(cfg)).call(0, fn, **kwargs)
+        return run_pool(cfg, run_dir).call(0, fn, **kwargs)
     mod, _, name = fn.rpartition(".")
     return getattr(importlib.import_module(mod), name)(**kwargs)

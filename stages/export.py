@@ -13,6 +13,7 @@ from pathlib import Path
 
 from artifacts import RunDir, checkpoint, dir_digest, seal_dir, shared_cache
 from stages.context import run_config, timer
+from stages.tokenizer import TOKENIZER_FILES
 
 
 def export_base(run_dir: str, base_dir: str) -> dict:
@@ -82,10 +83,9 @@ def export_base(run_dir: str, base_dir: str) -> dict:
 
                 save_file(mtp, str(scratch / "mtp.safetensors"), metadata={"format": "pt"})
                 out["mtp_tensors"] = len(mtp)
-        for f in source.iterdir():  # tokenizer files and the chat template travel with the checkpoint
-            if f.name.startswith(("tokenizer", "chat_template")) or f.name == "special_tokens_map.json":
-                if not f.name.endswith(".sha256") and f.is_file():
-                    shutil.copyfile(f, scratch / f.name)
+        for name in TOKENIZER_FILES:  # tokenizer files and the chat template travel with the checkpoint
+            if (source / name).is_file():
+                shutil.copyfile(source / name, scratch / name)
         seal_dir(scratch, target)
         shutil.rmtree(scratch)
         if shareable:

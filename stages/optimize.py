@@ -201,17 +201,9 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
         out["live_graph"] = live is not None
         with timer(out, "backward_s"):
             accumulate_gradients(cfg, engine, li, w_thought, w_answer, live, step, stored_plan(replay_in))
-        grads = [p.grad for _, p in params]
-        gnorm = float(torch.linalg.vector_norm(torch.stack([x.norm() for x in grads])))
+        gnorm, bad = _grad_norm(params)
         signal = bool((adv != 0).any()) and bool(mask.any())
-        if not torch.isfinite(torch.tensor(gnorm)):
-            bad = [n for n, p in params if not bool(torch.isfinite(p.grad).all())]
-            raise gates.GateFailed(
-                "finite-gradients", f"gradient norm is {gnorm} at step {step} although every loss weight was finite: "
-                f"the backward through the model produced it, in {len(bad)} adapter tensors (first: {bad[:3]}); compare "
-                "with the FP32 reference on this step's stored rollouts (stages/gradcheck.py)", {"step": step, "tensors": bad[:20]})
-        if cfg.gates.require_nonzero_grad and signal and gnorm == 0.0:
-            raise gates.GateFailed("nonzero-gradients", f"step {step} had non-zero advantages but an all-zero gradient")
+        _check_gradients(cfg, step, gnorm, bad, signal)
         if cfg.optimizer.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_([p for _, p in params], cfg.optimizer.max_grad_norm)
         engine.adapter_digest = None  # weights change below: nothing may trust the old digest
@@ -227,6 +219,23 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
         out.update(adapter=str(adapter_dir), adapter_digest=digest, optimizer=str(rd.optimizer(step)),
                    loss=metrics["loss"], grad_norm=gnorm, signal=signal, thought_logq_gap_max=li.thought_gap)
     return out
+
+
+def _grad_norm(params) -> tuple[float, list[str]]:
+    """The adapter gradient's L2 norm and the names of the tensors holding a non-finite value."""
+    gnorm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for _, p in params])))
+    return gnorm, [n for n, p in params if not bool(torch.isfinite(p.grad).all())]
+
+
+def _check_gradients(cfg, step: int, gnorm: float, bad: list[str], signal: bool) -> None:
+    """The finite-gradients and nonzero-gradients gates on the (all-reduced) adapter gradient."""
+    if not torch.isfinite(torch.tensor(gnorm)):
+        raise gates.GateFailed(
+            "finite-gradients", f"gradient norm is {gnorm} at step {step} although every loss weight was finite: "
+            f"the backward through the model produced it, in {len(bad)} adapter tensors (first: {bad[:3]}); compare "
+            "with the FP32 reference on this step's stored rollouts (stages/gradcheck.py)", {"step": step, "tensors": bad[:20]})
+    if cfg.gates.require_nonzero_grad and signal and gnorm == 0.0:
+        raise gates.GateFailed("nonzero-gradients", f"step {step} had non-zero advantages but an all-zero gradient")
 
 
 def _check_bitwise(step: int, idx: list[int], a: list[torch.Tensor], q: torch.Tensor, stored: list[torch.Tensor]) -> None:
@@ -277,8 +286,7 @@ def backward_shard(run_dir: str, step: int, rollouts_in: str, replay_in: str, ad
     accumulate_gradients(cfg, engine, li, wt, wa, live, step, (microbatches, tiers))
     for _, p in params:  # FP32 sums over the workers, in parameter order
         dist.all_reduce(p.grad)
-    gnorm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for _, p in params])))
-    bad = [n for n, p in params if not bool(torch.isfinite(p.grad).all())]
+    gnorm, bad = _grad_norm(params)
     _PENDING[(run_dir, step)] = (engine, params, opt)
     return {"grad_norm": gnorm, "bad": bad[:20], "live_graph": live is not None}
 
@@ -349,13 +357,7 @@ def optimize_on_workers(run_dir: str, step: int, rollouts_in: str, replay_in: st
         if any(r["grad_norm"] != gnorm for r in res):
             raise gates.GateFailed("replica-agreement", f"step {step}: the workers' all-reduced gradient norms differ: "
                                    f"{[r['grad_norm'] for r in res]}", {"step": step})
-        if not torch.isfinite(torch.tensor(gnorm)):
-            raise gates.GateFailed(
-                "finite-gradients", f"gradient norm is {gnorm} at step {step} although every loss weight was finite: "
-                f"the backward through the model produced it, in adapter tensors {res[0]['bad'][:3]}",
-                {"step": step, "tensors": res[0]["bad"]})
-        if cfg.gates.require_nonzero_grad and signal and gnorm == 0.0:
-            raise gates.GateFailed("nonzero-gradients", f"step {step} had non-zero advantages but an all-zero gradient")
+        _check_gradients(cfg, step, gnorm, res[0]["bad"], signal)
         steps = pool.call_all("stages.optimize.step_shard", lambda w: {"run_dir": run_dir, "step": step,
                                                                       "write": w == 0})
         digests = [s["replica_digest"] for s in steps]

@@ -49,20 +49,49 @@ def _run(task, stage: str, force_from: str | None, *args) -> dict:
     """Run a stage task; its summary says whether Prefect returned it from the cache (it then cost no time).
 
     A cached summary whose artifacts are gone from the run directory (deleted by hand, a copied or restored run
-    directory) is not trusted: the stage runs again, with a warning, instead of the next stage failing on a
-    missing input."""
+    directory) or no longer verify against their checksums (a flipped byte on disk) is not trusted: the stage runs
+    again, with a warning naming the file, instead of the next stage failing on a missing or corrupted input."""
     state = _refresh(task, stage, force_from)(*args, return_state=True)
     result = state.result()  # re-raises a failed task's error
     if state.name == "Cached":
-        missing = [str(result[k]) for k in OUTPUT_KEYS if isinstance(result.get(k), str) and not Path(result[k]).exists()]
-        if missing:
+        bad = unusable_outputs(result, contents=stage != "export")
+        if bad:
+            import logging
+
             from prefect.logging import get_run_logger
 
-            get_run_logger().warning("stage %s: the cached result names artifacts that are missing (%s); running it "
-                                     "again", stage, ", ".join(missing))
+            msg = f"stage {stage}: the cached result's artifacts are unusable ({'; '.join(bad)}); running it again"
+            get_run_logger().warning(msg)
+            logging.getLogger("lgrpo.rerun").warning(msg)
             state = task.with_options(refresh_cache=True)(*args, return_state=True)
             result = state.result()
     return result | {"cached": state.name == "Cached"}
+
+
+def unusable_outputs(result: dict, contents: bool = True) -> list[str]:
+    """What is wrong with the artifacts a stage summary names (OUTPUT_KEYS): missing, or (with `contents`; files
+    with a checksum sidecar, also inside a named directory) not verifying. Empty when all are usable. The export
+    is checked for presence only: at full size it is the base's weights (tens of GB), verified where it is loaded."""
+    from artifacts import ArtifactError, sidecar_path, verify
+
+    bad = []
+    for key in OUTPUT_KEYS:
+        if not isinstance(result.get(key), str):
+            continue
+        p = Path(result[key])
+        if not p.exists():
+            bad.append(f"{p}: missing")
+            continue
+        if not contents:
+            continue
+        files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+        for f in files:
+            if sidecar_path(f).is_file():
+                try:
+                    verify(f)
+                except ArtifactError as exc:
+                    bad.append(str(exc))
+    return bad
 
 
 def _refresh(task, stage: str, force_from: str | None):

@@ -309,3 +309,37 @@ def test_a_cached_stage_whose_artifact_was_deleted_runs_again(prefect_harness, t
     st = _states(state)
     assert st["sample-tasks-0"] == "Completed" and st["optimize-0"] == "Cached", st
     assert verify(tasks) == before
+
+
+def test_a_cached_stage_whose_artifact_was_corrupted_is_named_and_runs_again(prefect_harness, tmp_path):
+    """One flipped byte in a finished step's stored artifact: the rerun names the file, runs that stage again and
+    writes the same bytes (the later stages stay Cached)."""
+    import logging
+
+    from artifacts import RunDir, verify
+    from flows.step import grpo_step
+
+    run_dir = make_run(tmp_path / "run", **{"gates.probe_every": 1000})
+    assert grpo_step(run_dir, 0, return_state=True).is_completed()
+    replay = RunDir(run_dir).replay(0)
+    before = verify(replay)
+    data = bytearray(replay.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    replay.write_bytes(bytes(data))
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    handler = Keep()
+    logging.getLogger("lgrpo.rerun").addHandler(handler)
+    try:
+        state = grpo_step(run_dir, 0, return_state=True)
+    finally:
+        logging.getLogger("lgrpo.rerun").removeHandler(handler)
+    assert state.is_completed(), state
+    st = _states(state)
+    assert st["replay-0"] == "Completed" and st["optimize-0"] == "Cached", st
+    assert any(str(replay) in m and "corrupted" in m for m in seen), seen
+    assert verify(replay) == before

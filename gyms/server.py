@@ -2,14 +2,16 @@
 
 Endpoints (JSON bodies; every error is a JSON object ``{"error": "..."}``)::
 
-    POST /v1/call   {"episode", "call_id", "name", "arguments"} -> {"observation", "is_error", "replayed"}
+    POST /v1/call   {"episode", "call_id", "name", "arguments"[, "context"]} -> {"observation", "is_error", "replayed"}
     POST /v1/seal   {"episode"}                                  -> {"entries": [...]}
     POST /v1/forget {"episode"}                                  -> {"ok": true}
     GET  /v1/tools                                               -> {"tools": [schema, ...]}
     GET  /v1/health                                              -> {"ok": true, "tools": [...], "requests": n, ...}
     GET  /v1/faults                                              -> {"faults": [{"request_id", "kind", ...}, ...]}
 
-A bad request (not JSON, a missing or mistyped field, a body over ``max_body_bytes``) is answered 400 saying what
+``context`` (optional, an object) is the episode's data that a tool declared with ``takes_context`` reads, sent by
+the gym with every call so the server keeps no per-episode state beyond its idempotency store (the table gym sends
+its task's table). A bad request (not JSON, a missing or mistyped field, a body over ``max_body_bytes``) is answered 400 saying what
 was wrong; an unknown path 404; a call on a sealed episode 409. Calls are idempotent by ``(episode, call_id)``
 (see ``gyms.service``), so a client may retry any call whose reply it did not get.
 
@@ -331,9 +333,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- endpoints (each with a validator run before faults are drawn) ----------------------------------------
 
-    def _call(self, episode: str, call_id: str, name: str, arguments: dict[str, Any]) -> tuple[int, Any]:
+    def _call(self, episode: str, call_id: str, name: str, arguments: dict[str, Any],
+              context: dict[str, Any] | None = None) -> tuple[int, Any]:
         try:
-            return 200, self.server.tool_server.service.call(episode, call_id, name, arguments)
+            return 200, self.server.tool_server.service.call(episode, call_id, name, arguments, context)
         except (TraceError, CallConflict) as exc:  # a sealed episode, or a call id reused for another call
             raise _BadRequest(409, str(exc)) from None
 
@@ -345,8 +348,14 @@ class _Handler(BaseHTTPRequestHandler):
         return 200, {"ok": True}
 
 
-def _validator(fields: dict[str, type]) -> Any:
+def _validator(fields: dict[str, type], optional: dict[str, type] | None = None) -> Any:
+    optional = optional or {}
+
     def validate(payload: dict[str, Any]) -> dict[str, Any]:
+        for key, typ in optional.items():
+            if key in payload and not isinstance(payload[key], typ):
+                want = {str: "a string", dict: "an object"}[typ]
+                raise _BadRequest(400, f"field {key!r} must be {want}, got {type(payload[key]).__name__}")
         for key, typ in fields.items():
             if key not in payload:
                 raise _BadRequest(400, f"missing field {key!r} (required: {', '.join(fields)})")
@@ -356,16 +365,18 @@ def _validator(fields: dict[str, type]) -> Any:
                 raise _BadRequest(400, f"field {key!r} must be {want}, got {type(value).__name__}")
             if typ is str and not value:
                 raise _BadRequest(400, f"field {key!r} must be a non-empty string")
-        extra = sorted(set(payload) - set(fields))
+        extra = sorted(set(payload) - set(fields) - set(optional))
         if extra:
-            raise _BadRequest(400, f"unexpected field(s) {[e[:32] for e in extra][:5]} (allowed: {', '.join(fields)})")
+            raise _BadRequest(400, f"unexpected field(s) {[e[:32] for e in extra][:5]} "
+                                   f"(allowed: {', '.join([*fields, *optional])})")
         return dict(payload)
 
     return validate
 
 
 _ROUTES = {  # path -> (body validator, handler method)
-    "/v1/call": (_validator({"episode": str, "call_id": str, "name": str, "arguments": dict}), "_call"),
+    "/v1/call": (_validator({"episode": str, "call_id": str, "name": str, "arguments": dict}, {"context": dict}),
+                 "_call"),
     "/v1/seal": (_validator({"episode": str}), "_seal"),
     "/v1/forget": (_validator({"episode": str}), "_forget"),
 }

@@ -59,7 +59,8 @@ class ToolTransportError(RuntimeError):
 class ToolClient(Protocol):
     """What a gym needs to run tools: execute a call of an episode, and seal the episode's trace."""
 
-    def call(self, episode: str, call_id: str, name: str, arguments: dict[str, Any]) -> ToolReply:
+    def call(self, episode: str, call_id: str, name: str, arguments: dict[str, Any],
+             context: dict[str, Any] | None = None) -> ToolReply:
         ...
 
     def seal(self, episode: str) -> list[dict[str, Any]]:
@@ -93,7 +94,8 @@ class ToolService:
                 ep = self._episodes[episode] = _Episode(TraceRecorder(episode))
             return ep
 
-    def _execute(self, name: str, arguments: Any) -> tuple[str, bool, tuple[Receipt, ...]]:
+    def _execute(self, name: str, arguments: Any, context: dict[str, Any] | None = None
+                 ) -> tuple[str, bool, tuple[Receipt, ...]]:
         tool = self.tools.get(name) if isinstance(name, str) else None
         if tool is None:
             return f"{ERROR_PREFIX}unknown tool {str(name)[:32]!r} (tools: {', '.join(self.tools)})", True, ()
@@ -103,7 +105,7 @@ class ToolService:
         if problem is not None:
             return ERROR_PREFIX + problem, True, ()
         try:
-            result = tool.fn(**arguments)
+            result = tool.fn(**arguments, context=context or {}) if tool.takes_context else tool.fn(**arguments)
         except ToolError as exc:
             return ERROR_PREFIX + str(exc), True, ()
         if isinstance(result, ToolOutput):
@@ -112,12 +114,15 @@ class ToolService:
             raise TypeError(f"tool {name!r} returned {type(result).__name__}; tools return str or ToolOutput")
         return result, False, ()
 
-    def call(self, episode: str, call_id: str, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
-        """Run (or replay) one call; returns ``{"observation", "is_error", "replayed"}``."""
+    def call(self, episode: str, call_id: str, name: str, arguments: dict[str, Any],
+             context: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Run (or replay) one call; returns ``{"observation", "is_error", "replayed"}``. ``context``: the episode's
+        data for tools declared with ``takes_context`` (part of the call: a replay must send the same)."""
         if not isinstance(episode, str) or not episode or not isinstance(call_id, str) or not call_id:
             raise ValueError("ToolService.call: episode and call_id must be non-empty strings")
         ep = self._episode(episode)
-        request = sha256_text(json.dumps([name, arguments], sort_keys=True, default=str))
+        request = sha256_text(json.dumps([name, arguments] if context is None else [name, arguments, context],
+                                         sort_keys=True, default=str))
         with ep.lock:
             done = ep.replies.get(call_id)
             if done is not None:
@@ -126,7 +131,7 @@ class ToolService:
                         f"episode {episode!r}: call_id {call_id!r} was already used for a different call; "
                         "a call id names one call (use a new id, or a new episode id for a new attempt)")
                 return {"observation": done["observation"], "is_error": done["is_error"], "replayed": True}
-            observation, is_error, receipts = self._execute(name, arguments)
+            observation, is_error, receipts = self._execute(name, arguments, context)
             ep.trace.append(call_id=call_id, tool=str(name), arguments=arguments if isinstance(arguments, dict) else {},
                             observation=observation, is_error=is_error, receipts=receipts)
             ep.replies[call_id] = {"observation": observation, "is_error": is_error, "request": request}
@@ -156,8 +161,9 @@ class LocalToolClient:
     def __init__(self, service: ToolService) -> None:
         self.service = service
 
-    def call(self, episode: str, call_id: str, name: str, arguments: dict[str, Any]) -> ToolReply:
-        reply = self.service.call(episode, call_id, name, arguments)
+    def call(self, episode: str, call_id: str, name: str, arguments: dict[str, Any],
+             context: dict[str, Any] | None = None) -> ToolReply:
+        reply = self.service.call(episode, call_id, name, arguments, context)
         return ToolReply(reply["observation"], reply["is_error"])
 
     def seal(self, episode: str) -> list[dict[str, Any]]:

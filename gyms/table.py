@@ -3,6 +3,11 @@
 Each task has its own small table {name: value}; the question names two entries and an operation
 ("What is the value of alpha plus the value of cedar?"). Tools: ``lookup(key)`` and ``calc(expression)``.
 The oracle takes exactly four turns: lookup A, lookup B, calc "vA op vB", then the bare number.
+
+Tools run in-process by default. With ``tool_client`` (``gym.transport: http``: the run's tool server, built from
+``server_tools()``) every call goes to the server with the episode id, the turn as call id and the task's table as
+the call's context; the server keeps the episode's sealed provenance trace, which ``close()`` returns. Observations
+are the same text either way.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
+from gyms.service import ToolClient
 from gyms.protocol import REASON_ANSWER, REASON_MAX_TURNS, EpisodeMetrics, StepResult, Task
 from gyms.tools import (
     CALC_TOOL,
@@ -80,6 +86,7 @@ class TableGym:
         max_value: int = 30,
         ops: Sequence[str] = tuple(OPS),
         progress_reward: float = 0.0,
+        tool_client: ToolClient | None = None,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"TableGym: max_turns must be >= 1, got {max_turns}")
@@ -97,6 +104,13 @@ class TableGym:
         if not 0.0 <= progress_reward <= 1.0:
             raise ValueError(f"TableGym: progress_reward must be in [0, 1], got {progress_reward}")
         self.progress_reward = progress_reward
+        if tool_client is not None and not all(callable(getattr(tool_client, m, None)) for m in ("call", "seal")):
+            raise ValueError(f"TableGym: tool_client must have call(...) and seal(episode), "
+                             f"got {type(tool_client).__name__}")
+        self.client = tool_client
+        self._episode_id: str | None = None
+        self._sealed = False
+        self.trace_entries: list[dict[str, Any]] | None = None
         self._found: set[str] = set()
         self.tools: list[Tool] = [self._lookup_tool(), CALC_TOOL]
         self._task: Task | None = None
@@ -110,11 +124,13 @@ class TableGym:
         return one_arg_tool("lookup", "Value of a name in this task's table.", "key", "a name, e.g. alpha", self._lookup)
 
     def _lookup(self, key: str) -> str:
-        value = self._table.get(key.strip())
-        if value is None:
-            shown = key if len(key) <= 32 else key[:32] + "..."
-            raise ToolError(f"unknown key {shown!r}")
-        return str(value)
+        return _lookup_in(self._table, key)
+
+    def server_tools(self) -> list[Tool]:
+        """The tools the tool server serves: ``lookup`` reads the table the gym sends as the call's context."""
+        lookup = one_arg_tool("lookup", "Value of a name in this task's table.", "key", "a name, e.g. alpha",
+                              lambda key, context: _lookup_in(context.get("table", {}), key))
+        return [Tool(lookup.name, lookup.description, lookup.parameters, lookup.fn, takes_context=True), CALC_TOOL]
 
     def describe_tools(self) -> str:
         """A compact text description of the tools and the call format (for the system prompt)."""
@@ -170,9 +186,18 @@ class TableGym:
         """True before the first ``reset`` and after an episode ended."""
         return self._done
 
-    def reset(self, task: Task) -> str:
-        """Start an episode on ``task``; the first observation is the question."""
+    def reset(self, task: Task, episode_id: str | None = None) -> str:
+        """Start an episode on ``task``; the first observation is the question. ``episode_id`` keys the tool
+        server's calls and trace (with a ``tool_client``; a fresh uuid when not given)."""
         table, _, _, _ = _unpack(task)
+        if self.client is not None:
+            if episode_id is None:
+                import uuid
+
+                episode_id = f"table-{uuid.uuid4().hex}"
+            elif not isinstance(episode_id, str) or not episode_id:
+                raise ValueError(f"TableGym.reset: episode_id must be a non-empty string, got {episode_id!r}")
+        self._episode_id, self._sealed, self.trace_entries = episode_id, False, None
         self._task = task
         self._table = dict(table)
         self._metrics = EpisodeMetrics()
@@ -181,26 +206,57 @@ class TableGym:
         return task.question
 
     def step(self, answer_text: str) -> StepResult:
-        """One model turn: a final answer (no ``<tool_call>``) ends the episode; a tool call is executed."""
+        """One model turn: a final answer (no ``<tool_call>``) ends the episode; a tool call is executed.
+
+        With a ``tool_client``, a ``ToolTransportError`` propagates and leaves the episode as it was, so the same
+        turn can be retried (its call id is the turn index: the server replays it)."""
         if self._task is None or self._done:
             raise RuntimeError("TableGym.step: no episode running; call reset(task) first")
-        self._metrics.turns += 1
         parsed = parse_tool_call(answer_text, self.tools)
         if parsed is None:
+            if self.client is not None:
+                self._seal()  # may raise ToolTransportError: nothing has changed yet
+            self._metrics.turns += 1
             correct = answer_is_correct(answer_text, self._task.target)
             return self._finish(None, 1.0 if correct else 0.0, REASON_ANSWER, tool_error=False, tool_name=None)
-        self._metrics.tool_calls += 1
+        retries = None
         if isinstance(parsed, ToolCallError):
             observation, tool_error, tool_name = parsed.observation, True, parsed.tool_name
+        elif self.client is not None:
+            reply = self.client.call(self._episode_id, str(self._metrics.turns), parsed.name, parsed.arguments,
+                                     {"table": self._table})
+            observation, tool_error, tool_name = reply.observation, bool(reply.is_error), parsed.name
+            retries = len(reply.attempts)
         else:
             observation, tool_error = run_tool(parsed, self.tools)
             tool_name = parsed.name
+        last = self._metrics.turns + 1 >= self.max_turns
+        if last and self.client is not None:
+            self._seal()
+        self._metrics.turns += 1
+        self._metrics.tool_calls += 1
         if tool_error:
             self._metrics.tool_errors += 1
         reward = self._progress(parsed) if not tool_error else 0.0
-        if self._metrics.turns >= self.max_turns:
-            return self._finish(observation, reward, REASON_MAX_TURNS, tool_error=tool_error, tool_name=tool_name)
-        return StepResult(observation, reward, False, self._info(tool_error, tool_name, None))
+        if last:
+            return self._finish(observation, reward, REASON_MAX_TURNS, tool_error=tool_error, tool_name=tool_name,
+                                retries=retries)
+        return StepResult(observation, reward, False, self._info(tool_error, tool_name, None, retries))
+
+    def close(self) -> list[dict[str, Any]] | None:
+        """End the episode; with a ``tool_client`` its sealed trace entries (None without one, or before reset)."""
+        if self.client is None or self._episode_id is None:
+            self._done = True
+            return None
+        entries = self._seal()
+        self._done = True
+        return entries
+
+    def _seal(self) -> list[dict[str, Any]]:
+        if not self._sealed:
+            self.trace_entries = list(self.client.seal(self._episode_id))
+            self._sealed = True
+        return self.trace_entries
 
     def _progress(self, call: ToolCall) -> float:
         """`progress_reward` for the first lookup of each name the question asks about."""
@@ -214,13 +270,26 @@ class TableGym:
         return 0.0
 
     def _finish(
-        self, observation: str | None, reward: float, reason: str, *, tool_error: bool, tool_name: str | None
+        self, observation: str | None, reward: float, reason: str, *, tool_error: bool, tool_name: str | None,
+        retries: int | None = None,
     ) -> StepResult:
         self._done = True
-        return StepResult(observation, reward, True, self._info(tool_error, tool_name, reason))
+        return StepResult(observation, reward, True, self._info(tool_error, tool_name, reason, retries))
 
-    def _info(self, tool_error: bool, tool_name: str | None, reason: str | None) -> dict[str, Any]:
-        return {"tool_error": tool_error, "tool_name": tool_name, "reason": reason, **self._metrics.to_dict()}
+    def _info(self, tool_error: bool, tool_name: str | None, reason: str | None,
+              retries: int | None = None) -> dict[str, Any]:
+        info = {"tool_error": tool_error, "tool_name": tool_name, "reason": reason, **self._metrics.to_dict()}
+        if self.client is not None:
+            info["transport_retries"] = retries or 0
+        return info
+
+
+def _lookup_in(table: dict[str, int], key: str) -> str:
+    value = table.get(key.strip())
+    if value is None:
+        shown = key if len(key) <= 32 else key[:32] + "..."
+        raise ToolError(f"unknown key {shown!r}")
+    return str(value)
 
 
 def _apply(op: str, x: int, y: int) -> int:

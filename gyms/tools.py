@@ -36,13 +36,15 @@ class Tool:
 
     ``parameters`` supports ``{"type": "object", "properties": {name: {"type": T, "description": ...}},
     "required": [...]}`` with T in string / integer / number / boolean. ``fn(**arguments) -> str``
-    returns the observation text, or raises ``ToolError``.
+    returns the observation text, or raises ``ToolError``. With ``takes_context`` the tool also gets ``context=``, the
+    episode's data the gym sends with each call (for a stateless server: the table gym's table).
     """
 
     name: str
     description: str
     parameters: dict[str, Any]
     fn: Callable[..., str] = field(compare=False, repr=False)
+    takes_context: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_declaration(self.name, self.parameters)

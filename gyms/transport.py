@@ -125,14 +125,17 @@ class HttpToolClient:
 
     # -- the ToolClient protocol ------------------------------------------------------------------------------
 
-    def call(self, episode: str, call_id: str, name: str, arguments: dict[str, Any]) -> ToolReply:
-        return self.call_with_info(episode, call_id, name, arguments)[0]
+    def call(self, episode: str, call_id: str, name: str, arguments: dict[str, Any],
+             context: dict[str, Any] | None = None) -> ToolReply:
+        return self.call_with_info(episode, call_id, name, arguments, context)[0]
 
-    def call_with_info(self, episode: str, call_id: str, name: str,
-                       arguments: dict[str, Any]) -> tuple[ToolReply, bool]:
+    def call_with_info(self, episode: str, call_id: str, name: str, arguments: dict[str, Any],
+                       context: dict[str, Any] | None = None) -> tuple[ToolReply, bool]:
         """``call``, plus whether the server replayed a stored reply (the call had been executed before)."""
         what = f"tool call {name!r} (episode {episode!r}, call_id {call_id!r})"
         payload = {"episode": episode, "call_id": call_id, "name": name, "arguments": arguments}
+        if context is not None:
+            payload["context"] = context
         reply, attempts = self._request("POST", "/v1/call", payload, (episode, call_id), what, _call_reply)
         return ToolReply(reply["observation"], reply["is_error"], tuple(attempts)), bool(reply.get("replayed"))
 

@@ -343,3 +343,39 @@ def test_acceptance_200_episodes_with_20_percent_faults(tmp_path):
           f", {sum(retried_calls.values())} calls retried (failed attempts per call: "
           f"{dict(sorted(retried_calls.items()))}); "
           f"{threads} threads, {wall:.1f}s wall")
+
+
+def test_table_gym_over_the_server_answers_as_in_process_and_seals_a_trace(tmp_path):
+    """The embedded default's gym on HTTP tools (`gym.transport: http`): the server keeps no table, the gym sends
+    its task's table as each call's context; with faults on, every episode's observations, rewards and end equal
+    the in-process gym's, and each episode's sealed trace verifies."""
+    from gyms.table import TableGym
+
+    opts = {"max_turns": 5, "table_size": 4, "max_value": 20, "ops": ["plus"], "progress_reward": 0.25}
+    local = TableGym(**opts)
+    tasks = local.sample_tasks(12, 3)
+    wrong = '<tool_call>{"name": "lookup", "arguments": {"key": "nobody"}}</tool_call>'
+    faults = FaultConfig(rate=0.3, kinds=FAULT_KINDS, seed=3, latency_s=0.05, timeout_s=0.7, refuse_s=0.05,
+                         refuse_gap_s=0.3)
+    with start_tool_server("gyms.table:TableGym", opts, faults=faults, fault_log=tmp_path / "f.jsonl") as proc:
+        client = HttpToolClient(proc.url, timeout_s=0.5, max_attempts=12, backoff_base_s=0.02, backoff_max_s=0.3,
+                                seed=3)
+        served = TableGym(**opts, tool_client=client)
+        for n, task in enumerate(tasks):
+            answers = local.oracle_answers(task)
+            answers = answers[:1] + [wrong] + answers[1:] if n % 2 else answers
+            seen = []
+            for gym in (local, served):
+                gym.reset(task, episode_id=f"ep-{n}") if gym is served else gym.reset(task)
+                out = []
+                for text in answers:
+                    r = gym.step(text)
+                    out.append((r.observation, r.reward, r.done, r.info["reason"], r.info["tool_error"]))
+                    if r.done:
+                        break
+                seen.append(out)
+            assert seen[0] == seen[1], (n, seen)
+            assert seen[1][-1][1] == 1.0 and seen[1][-1][2]  # the oracle's final answer is right
+            summary = verify_entries(served.close(), f"ep-{n}")
+            assert summary.calls == len(answers) - 1  # every tool call is in the trace, the answer is not
+        assert proc.faults(), "faults were injected"

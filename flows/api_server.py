@@ -10,6 +10,11 @@ same app (Prefect's `create_app`, UI off, as the temporary server runs it) here,
 
 and point PREFECT_API_URL at it for the run. A user's own server (PREFECT_API_URL set) is used as it is.
 
+If that child dies while the run goes on (killed, out of memory), Prefect can no longer record states: its client
+retries, logs an event error every few seconds and the run stalls. The CLI process instead prints one line saying
+so and how to resume, and exits with status 75 (EX_TEMPFAIL) at once; every finished stage is in the run directory,
+so the same command resumes (bench/soak.py drills this).
+
     python -m flows.api_server --parent-pid PID --port-file PATH
 """
 
@@ -109,14 +114,18 @@ def api_server(timeout_s: float | None = None):
                                  "--port-file", str(port_file)], cwd=Path(__file__).resolve().parents[1],
                                 env={**os.environ, **SERVER_ENV}, stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=subprocess.STDOUT)
+    stopping = threading.Event()
     try:
         url = _wait_ready(proc, port_file, log, timeout_s)
+        threading.Thread(target=_exit_if_server_dies, args=(proc, stopping, work, log), daemon=True,
+                         name="lgrpo-api-watch").start()
         os.environ["PREFECT_API_URL"] = url  # before prefect's first import in this process, and for children
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
         with temporary_settings(updates={PREFECT_API_URL: url}):  # if prefect was imported already
             yield url
     finally:
+        stopping.set()
         _drain_prefect()  # while the server still answers: else the exit waits on retries against a closed port
         os.environ.pop("PREFECT_API_URL", None)
         if proc.poll() is None:
@@ -129,6 +138,26 @@ def api_server(timeout_s: float | None = None):
         import shutil
 
         shutil.rmtree(work, ignore_errors=True)
+
+
+EXIT_SERVER_DIED = 75  # EX_TEMPFAIL: the same command resumes
+
+
+def _exit_if_server_dies(proc: subprocess.Popen, stopping: threading.Event, work: Path, log: Path) -> None:
+    """Wait for the API server child; if it ends before the run does, say so and end this process now."""
+    code = proc.wait()
+    if stopping.is_set():
+        return
+    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+    tail = log.read_bytes()[-400:].decode("utf-8", "replace").strip().splitlines()[-1:] if log.exists() else []
+    print(f"lgrpo: the run's Prefect API server (pid {proc.pid}) {how}"
+          f"{' (' + tail[0].strip() + ')' if tail else ''}; Prefect cannot record this run any more, so it stops "
+          "here. Every finished stage is stored in the run directory: run the same command again to resume.",
+          file=sys.stderr, flush=True)
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)
+    os._exit(EXIT_SERVER_DIED)  # children (tool server, workers) end with this process (their parent watch)
 
 
 def _drain_prefect(timeout_s: float = 10.0) -> None:

@@ -82,7 +82,7 @@ def _train(run: Path, env: dict, log: Path, check_left: Path | None = None, extr
 @pytest.mark.parametrize("kill_at", ["bootstrap:0", "replay:1"])
 def test_a_killed_run_leaves_no_process_behind(tmp_path, kill_at):
     # the research gym over gym.transport http: its tools run in the run's tool server, a second helper process
-    # that must go too (the built-in table gym has no server tools)
+    # that must go too
     rc = _train(tmp_path / "run", _env(tmp_path, LGRPO_KILL_AT=kill_at), tmp_path / "out", check_left=tmp_path / "tmp",
                 extra=["--config", "tiny-research", "--set", "gym.transport=http"])
     assert rc == -signal.SIGKILL, (tmp_path / "out").read_text()[-3000:]
@@ -113,4 +113,44 @@ def test_sigterm_stops_within_seconds_and_the_same_command_resumes_bit_identical
         (tmp_path / "out-resumed").read_text()[-3000:]
     for name in ("adapter/adapter_model.safetensors", "optimizer.safetensors"):
         a, b = read_tensors(tmp_path / "run" / "step-0001" / name)[0], read_tensors(uninterrupted / "step-0001" / name)[0]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"{name} differs after the resume"
+
+
+@needs_proc
+def test_a_dead_api_server_ends_the_run_with_one_line_and_the_same_command_resumes(tmp_path, uninterrupted):
+    """The run's Prefect API server killed mid-run: Prefect could record nothing more and the run used to stall with
+    an event error every 7 s. Now the CLI says so in one line, exits 75 at once, leaves nothing alive, and the same
+    command completes the run to the uninterrupted result."""
+    from artifacts import read_tensors
+
+    env, run, log = _env(tmp_path), tmp_path / "run", tmp_path / "out"
+    with open(log, "w") as out:
+        p = subprocess.Popen([sys.executable, "-m", "lgrpo_cli", "train", "--run-dir", str(run), "--steps", "2",
+                              *SETS], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (run / "step-0000" / "adapter").exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        servers = [pid for pid, cmd in _session_members(p.pid) if "flows.api_server" in cmd]
+        assert servers, log.read_text()[-3000:]
+        os.kill(servers[0], signal.SIGKILL)
+        killed = time.monotonic()
+        rc = p.wait(timeout=120)
+        took = time.monotonic() - killed
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    text = log.read_text()
+    assert rc == 75, text[-3000:]
+    assert took <= 10, f"the CLI needed {took:.1f} s to stop after its API server died"
+    lines = [x for x in text.splitlines() if x.startswith("lgrpo: the run's Prefect API server")]
+    assert len(lines) == 1 and "run the same command again to resume" in lines[0], text[-3000:]
+    time.sleep(1)
+    assert not _session_members(p.pid), _session_members(p.pid)
+    assert not list((tmp_path / "tmp").glob("lgrpo-prefect-api-*")), "the server's scratch folder is left"
+    assert _train(run, _env(tmp_path), tmp_path / "out-resumed") == 0, (tmp_path / "out-resumed").read_text()[-3000:]
+    for name in ("adapter/adapter_model.safetensors", "optimizer.safetensors"):
+        a, b = read_tensors(run / "step-0001" / name)[0], read_tensors(uninterrupted / "step-0001" / name)[0]
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"{name} differs after the resume"

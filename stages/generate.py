@@ -49,6 +49,7 @@ def sample_tasks(run_dir: str, step: int, base_in: str, split: str = "train", n_
     return out
 
 
+@faults.kill_window("generate-turn")
 def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in: str, export_in: str,
                   base_in: str, out_path: str | None = None, rows: list[int] | None = None) -> dict:
     """One model turn for the active rows of `state_in` (tasks.arrow or the previous gym-TT.arrow): the trainer's

@@ -25,6 +25,7 @@ from gyms.protocol import REASON_ANSWER, REASON_BUDGET, Task
 from gyms.trace import write_trace
 from gyms.service import ToolTransportError
 from stages.context import episode_pool, restart_dead_tool_server, reward_functions, run_config, timer
+from stages import faults
 
 
 def answer_correct(res) -> bool:
@@ -117,6 +118,7 @@ def apply_reward_funcs(funcs, rows: list[dict]) -> None:
             r["turn_reward"] = float(r["turn_reward"]) + float(v)
 
 
+@faults.kill_window("gym")
 def run_gym(run_dir: str, step: int, turn: int, state_in: str, turn_in: str, base_in: str,
             out_path: str | None = None) -> dict:
     from engine.runtime import tokenizer

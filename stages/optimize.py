@@ -22,6 +22,7 @@ from engine.loss import grpo_loss, importance_sampling_ratio, token_weights
 from engine.replay import from_sequences, to_sequences
 from stages.context import run_config, timer
 from stages.replay import live_key, load_turns
+from stages import faults
 
 
 def _adapter_params(model) -> list[tuple[str, torch.nn.Parameter]]:
@@ -170,6 +171,7 @@ def accumulate_gradients(cfg, engine, li: LossInputs, w_thought, w_answer, live=
             live[j] = None  # the graph is spent: free it now, not at the end of the step
 
 
+@faults.kill_window("optimize")
 def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_replay_in: str, adapter_in: str,
              optimizer_in: str | None, base_in: str) -> dict:
     from engine import runtime

@@ -21,6 +21,7 @@ import torch
 from artifacts import RunDir, append_jsonl, write_json
 from engine.gates import GateFailed
 from stages.context import generator, run_config, timer
+from stages import faults
 
 PROBE_SEED = 20261130  # the probe set never changes within a run (nor across runs of one config)
 
@@ -89,6 +90,7 @@ def compare_engines(trainer_lp: list[torch.Tensor], sampler_lp: list[torch.Tenso
             "worst": worst}
 
 
+@faults.kill_window("probe")
 def probe(run_dir: str, step: int, adapter_in: str, export_in: str, base_in: str) -> dict:
     from engine import diagnose as D
     from engine import runtime
@@ -137,6 +139,7 @@ def probe(run_dir: str, step: int, adapter_in: str, export_in: str, base_in: str
     return out
 
 
+@faults.kill_window("checkpoint")
 def verify_checkpoint(run_dir: str, adapter_in: str, base_in: str) -> dict:
     """Reload the final adapter through PEFT from disk onto a fresh base; the probe's log-probs must be identical."""
     from engine import diagnose as D

@@ -70,6 +70,7 @@ def _scored(cfg, step: int, rollouts_in: str, adapter_in: str, base_in: str, kee
     return engine, turns, table, ans_lp, logq, live, mbs, list(plan.tiers), plan.summary()
 
 
+@faults.kill_window("replay")
 def replay(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: str, fresh: bool,
            keep_graph: bool = True) -> dict:
     cfg = run_config(run_dir)

@@ -12,6 +12,10 @@ in the checkpoint tier and back-propagates Σ w·logp through stages.optimize.ac
    micro-batch has its own length.
 2. Rows: one row of 2·n tokens against two rows of n (a padded, masked batch) at the same token count, warm.
 3. torch.profiler over one warm micro-batch: the top CUDA kernels by total time, grouped by name.
+4. The same profile attributed: each kernel to the module whose forward launched it (its path with layer numbers
+   as *, innermost module wins) and to the pass -- forward, recompute (a checkpointed forward run again inside
+   backward) or backward (the autograd node is matched to the forward op that made it by sequence number) -- so
+   the FP32 elementwise time of part 3 gets an owner before anything is optimised.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ def main(argv=None) -> dict:
     p.add_argument("--rows-tokens", type=int, default=3600, help="n for the 1x2n vs 2xn comparison")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--base", choices=["bf16", "nf4"], default="bf16", help="nf4: bitsandbytes NF4 base, as the 27B step")
-    p.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3], help="which of the three parts to run")
+    p.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3], help="which of the four parts to run")
     p.add_argument("--adapter-kernels", choices=["auto", "torch"], default="auto",
                    help="the LoRA/DoRA epilogue (engine/adapter_kernels.py): fused where qualified, or PyTorch's")
     p.add_argument("--out", default=None)
@@ -120,9 +124,115 @@ def main(argv=None) -> dict:
                           "warm_run": {k: warm[k] for k in ("total_s", "score_s", "backward_s")},
                           "top": [{"kernel": k[:160], "ms": round(v[0] / 1e3, 2), "calls": v[1]} for k, v in top]}
         print(json.dumps(res["profile"], indent=1), flush=True)
+    if 4 in a.parts:
+        turns, plan = case([2 * n], 7)
+        run_plan(eng, turns, rc, plan=plan)  # warm, outside the profile
+        res["attribution"] = attribute(lambda: run_plan(eng, turns, rc, plan=plan), model, a.top)
+        res["attribution"]["tokens"] = sum(turns.lengths())
+        print(json.dumps(res["attribution"], indent=1), flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
     return res
+
+
+def _module_label(name: str) -> str:
+    import re
+
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name) or "(model)"
+
+
+def attribute(fn, model, top: int, cuda: bool = True) -> dict:
+    """Runs fn under torch.profiler with a record_function range per module forward; CUDA kernel time by
+    (pass, module, op). Kernels whose launching op has no module range and no autograd node are '(outside)'."""
+    import torch
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    stack: list = []
+    hooks = []
+    for name, mod in model.named_modules():
+        label = "mod::" + _module_label(name)
+
+        def pre(m, args, kwargs=None, label=label):
+            rf = record_function(label)
+            rf.__enter__()
+            stack.append(rf)
+
+        def post(m, args, out, label=label):
+            stack.pop().__exit__(None, None, None)
+
+        hooks.append(mod.register_forward_pre_hook(pre))
+        hooks.append(mod.register_forward_hook(post))
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    try:  # early stop would end a recompute by an exception, leaving its forward ranges open
+        with set_checkpoint_early_stop(False), profile(
+                activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU] if cuda else [ProfilerActivity.CPU]) as prof:
+            fn()
+    finally:
+        for h in hooks:
+            h.remove()
+    events = prof.events()
+
+    def owner(ev):
+        """(module label, inside an autograd node?) of the nearest enclosing ranges."""
+        mod, node = None, None
+        e = ev
+        while e is not None:
+            if mod is None and e.name.startswith("mod::"):
+                mod = e.name[5:]
+            if node is None and e.name.startswith("autograd::engine::evaluate_function"):
+                node = e
+            e = e.cpu_parent
+        return mod, node
+
+    fwd_module: dict[int, str] = {}
+    for ev in events:
+        if ev.device_type == torch.autograd.DeviceType.CPU and getattr(ev, "sequence_nr", -1) >= 0:
+            mod, node = owner(ev)
+            if node is None and mod is not None:
+                fwd_module.setdefault(ev.sequence_nr, mod)
+    by: dict = defaultdict(lambda: [0.0, 0])
+    per_pass: dict = defaultdict(float)
+    per_module: dict = defaultdict(float)
+    total = 0.0
+    for ev in events:
+        if ev.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        if cuda:
+            if not ev.kernels or any(c.kernels for c in ev.cpu_children):
+                continue  # counted at the innermost op that launched them
+            us = sum(k.duration for k in ev.kernels)
+        else:  # a CPU check of the attribution itself: leaf ops' CPU time
+            if ev.cpu_children or ev.name.startswith(("mod::", "autograd::")):
+                continue
+            us = ev.self_cpu_time_total
+        mod, node = owner(ev)
+        if node is None:
+            kind = "forward" if mod else "(outside)"
+        elif mod is not None:
+            kind = "recompute"
+        else:
+            kind = "backward"
+            seq = -1
+            e = ev
+            while e is not None and seq < 0:
+                seq = getattr(e, "sequence_nr", -1)
+                e = e.cpu_parent
+            mod = fwd_module.get(seq, "(node " + node.name.split(": ")[-1] + ")")
+        key = (kind, mod or "(outside)", ev.name)
+        by[key][0] += us
+        by[key][1] += len(ev.kernels) if cuda else 1
+        per_pass[kind] += us
+        per_module[(kind, mod or "(outside)")] += us
+        total += us
+    top_ops = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
+    top_mod = sorted(per_module.items(), key=lambda kv: -kv[1])[:top]
+    return {"kernel_ms_attributed": round(total / 1e3, 1),
+            "per_pass_ms": {k: round(v / 1e3, 1) for k, v in per_pass.items()},
+            "per_module_ms": [{"pass": k[0], "module": k[1], "ms": round(v / 1e3, 2)} for k, v in top_mod],
+            "top_ops": [{"pass": k[0], "module": k[1], "op": k[2][:120], "ms": round(v[0] / 1e3, 2), "kernels": v[1]}
+                        for k, v in top_ops]}
 
 
 if __name__ == "__main__":

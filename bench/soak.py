@@ -1,6 +1,6 @@
 """Soak drill: the embedded default on HTTP tools for a set wall time, while faults, kills and corruption hit it.
 
-    python bench/soak.py --minutes 120 --root runs/soak            # the 2-hour drill (2-core CPU)
+    python bench/soak.py --minutes 120 --root runs/soak --set threads=1   # the 2-hour drill (2-core CPU)
     python bench/soak.py --minutes 10 --root /tmp/soak --set bootstrap.episodes=96    # the CI variant's size
 
 What it does, in order:
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
     p.add_argument("--root", default="runs/soak", help="the drill's folder (reference and soak run, logs, report)")
     p.add_argument("--command", default="./scripts/train.sh", help="the README's training command")
     p.add_argument("--steps", type=int, default=None, help="soak steps (default: sized from the reference run)")
-    p.add_argument("--ref-steps", type=int, default=4)
+    p.add_argument("--ref-steps", type=int, default=20, help="steps of the uninterrupted reference run (the bitwise check is at its last)")
     p.add_argument("--kills", type=int, default=6, help="training-process kills in all, one per phase at least (>= 6)")
     p.add_argument("--tool-restarts", type=int, default=2)
     p.add_argument("--fault-rate", type=float, default=0.1)

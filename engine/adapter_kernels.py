@@ -198,6 +198,8 @@ def install(mode: str, device) -> str:
     if mode not in ("auto", "torch"):
         raise ValueError(f"model.adapter_kernels={mode!r}: one of auto, torch")
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" names the current device; tensors say "cuda:N"
+        device = torch.device("cuda", torch.cuda.current_device())
     key = str(device)
     if mode == "torch" or device.type != "cuda":
         _STATE["devices"].discard(key)

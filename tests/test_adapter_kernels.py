@@ -90,3 +90,19 @@ def test_install_keeps_the_pytorch_expressions_on_a_cpu_and_rejects_unknown_mode
     import torch
 
     assert not AK.enabled(torch.zeros(2, dtype=torch.bfloat16))  # nothing qualified on the CPU outside the interpreter
+
+
+@pytest.mark.gpu
+def test_installed_for_cuda_the_fused_path_is_used_by_tensors_on_that_device():
+    """`device: cuda` names the current device, tensors say cuda:0: the choice must apply to them (it did not, so
+    replay ran the PyTorch expressions although the kernels had qualified)."""
+    import torch
+
+    from engine import adapter_kernels as AK
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    AK.reset()
+    assert AK.install("auto", "cuda") == "fused"
+    assert AK.enabled(torch.zeros(2, 2, dtype=torch.bfloat16, device="cuda"))
+    AK.reset()

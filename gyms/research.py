@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gyms.protocol import REASON_ANSWER, REASON_MAX_TURNS, EpisodeMetrics, StepResult, Task
-from gyms.service import LocalToolClient, ToolClient, ToolOutput, ToolService
+from gyms.service import LocalToolClient, SealedEpisodeMixin, ToolClient, ToolOutput, ToolService
 from gyms.table import final_number
 from gyms.tools import (
     CALC_TOOL,
@@ -160,7 +160,7 @@ def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
     return value
 
 
-class ResearchGym:
+class ResearchGym(SealedEpisodeMixin):
     """Multi-turn search-read-calculate gym with cited answers checked against the sealed tool trace.
 
     Options: ``max_turns`` (default 8; the oracle needs 6), ``corpus_seed`` (0), ``n_entities`` (16, 2..120),
@@ -428,20 +428,6 @@ class ResearchGym:
             return self._finish(observation, reward, REASON_MAX_TURNS, tool_error=tool_error, tool_name=tool_name,
                                 retries=retries)
         return StepResult(observation, reward, False, self._info(tool_error, tool_name, None, retries))
-
-    def close(self) -> list[dict[str, Any]] | None:
-        """End the episode (if running) and return its sealed trace entries (None before the first reset)."""
-        if self._episode_id is None:
-            return None
-        entries = self._seal()
-        self._done = True
-        return entries
-
-    def _seal(self) -> list[dict[str, Any]]:
-        if not self._sealed:
-            self.trace_entries = list(self.client.seal(self._episode_id))
-            self._sealed = True
-        return self.trace_entries
 
     def _progress(self, name: str, arguments: dict[str, Any]) -> float:
         """``progress_reward`` for the first successful read of each of the two source documents."""

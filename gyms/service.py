@@ -155,6 +155,27 @@ class ToolService:
             return list(self._episodes)
 
 
+class SealedEpisodeMixin:
+    """For gyms whose tools run behind a ``ToolClient`` (attributes ``client``, ``_episode_id``, ``_sealed``,
+    ``trace_entries``, ``_done``): the episode's trace is sealed once, and ``close()`` returns it."""
+
+    def close(self) -> list[dict[str, Any]] | None:
+        """End the episode (if running) and return its sealed trace entries (None without a client or before the
+        first reset)."""
+        if self.client is None or self._episode_id is None:
+            self._done = True
+            return None
+        entries = self._seal()
+        self._done = True
+        return entries
+
+    def _seal(self) -> list[dict[str, Any]]:
+        if not self._sealed:
+            self.trace_entries = list(self.client.seal(self._episode_id))
+            self._sealed = True
+        return self.trace_entries
+
+
 class LocalToolClient:
     """In-process client: calls a ``ToolService`` directly (no transport, so no faults)."""
 

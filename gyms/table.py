@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
-from gyms.service import ToolClient
+from gyms.service import SealedEpisodeMixin, ToolClient
 from gyms.protocol import REASON_ANSWER, REASON_MAX_TURNS, EpisodeMetrics, StepResult, Task
 from gyms.tools import (
     CALC_TOOL,
@@ -70,7 +70,7 @@ def answer_is_correct(text: str, target: str | int) -> bool:
     return text.strip() == target.strip()
 
 
-class TableGym:
+class TableGym(SealedEpisodeMixin):
     """Multi-turn lookup-and-calculate gym. One episode at a time: ``reset(task)`` then ``step(...)``.
 
     Options: ``table_size`` (entries per task table, 2..24, default 6), ``max_value`` (values are drawn
@@ -242,21 +242,6 @@ class TableGym:
             return self._finish(observation, reward, REASON_MAX_TURNS, tool_error=tool_error, tool_name=tool_name,
                                 retries=retries)
         return StepResult(observation, reward, False, self._info(tool_error, tool_name, None, retries))
-
-    def close(self) -> list[dict[str, Any]] | None:
-        """End the episode; with a ``tool_client`` its sealed trace entries (None without one, or before reset)."""
-        if self.client is None or self._episode_id is None:
-            self._done = True
-            return None
-        entries = self._seal()
-        self._done = True
-        return entries
-
-    def _seal(self) -> list[dict[str, Any]]:
-        if not self._sealed:
-            self.trace_entries = list(self.client.seal(self._episode_id))
-            self._sealed = True
-        return self.trace_entries
 
     def _progress(self, call: ToolCall) -> float:
         """`progress_reward` for the first lookup of each name the question asks about."""

@@ -53,19 +53,24 @@ def _run(task, stage: str, force_from: str | None, *args) -> dict:
     again, with a warning naming the file, instead of the next stage failing on a missing or corrupted input."""
     state = _refresh(task, stage, force_from)(*args, return_state=True)
     result = state.result()  # re-raises a failed task's error
-    if state.name == "Cached":
-        bad = unusable_outputs(result, contents=stage != "export")
-        if bad:
-            import logging
-
-            from prefect.logging import get_run_logger
-
-            msg = f"stage {stage}: the cached result's artifacts are unusable ({'; '.join(bad)}); running it again"
-            get_run_logger().warning(msg)
-            logging.getLogger("lgrpo.rerun").warning(msg)
-            state = task.with_options(refresh_cache=True)(*args, return_state=True)
-            result = state.result()
+    if state.name == "Cached" and _untrusted(stage, result):
+        state = task.with_options(refresh_cache=True)(*args, return_state=True)
+        result = state.result()
     return result | {"cached": state.name == "Cached"}
+
+
+def _untrusted(stage: str, result: dict) -> bool:
+    """True (with a warning naming the files) when a cached stage's artifacts are missing or do not verify."""
+    bad = unusable_outputs(result, contents=stage != "export")
+    if bad:
+        import logging
+
+        from prefect.logging import get_run_logger
+
+        msg = f"stage {stage}: the cached result's artifacts are unusable ({'; '.join(bad)}); running it again"
+        get_run_logger().warning(msg)
+        logging.getLogger("lgrpo.rerun").warning(msg)
+    return bool(bad)
 
 
 def unusable_outputs(result: dict, contents: bool = True) -> list[str]:
@@ -175,14 +180,14 @@ def grpo_step(run_dir: str, step: int, force_from: Stage | None = None) -> dict:
 
 def _fan_out(task, stage: str, force_from: str | None, arglists: list[tuple]) -> list[dict]:
     """One run of `task` per argument list, concurrently (one per worker), as `_run` runs one: a failed one re-raises
-    its error, and a cached one whose artifact is gone runs again."""
+    its error, and a cached one whose artifacts are gone or do not verify runs again."""
     futures = [_refresh(task, stage, force_from).submit(*args) for args in arglists]
     for f in futures:
         f.wait()
     results = []
     for f, args in zip(futures, arglists):
         result = f.state.result() | {"cached": f.state.name == "Cached"}
-        if result["cached"] and isinstance(result.get("path"), str) and not Path(result["path"]).exists():
+        if result["cached"] and _untrusted(stage, result):
             result = task.with_options(refresh_cache=True)(*args) | {"cached": False}
         results.append(result)
     return results

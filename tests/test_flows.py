@@ -339,7 +339,7 @@ def test_a_cached_stage_whose_artifact_was_corrupted_is_named_and_runs_again(pre
     finally:
         logging.getLogger("lgrpo.rerun").removeHandler(handler)
     assert state.is_completed(), state
-    st = _states(state)
-    assert st["replay-0"] == "Completed" and st["optimize-0"] == "Cached", st
+    cached = state.result()["cached"]  # the flow's own record (the API's task states can lag behind in a long suite)
+    assert "replay" not in cached and "optimize" in cached, cached
     assert any(str(replay) in m and "corrupted" in m for m in seen), seen
     assert verify(replay) == before

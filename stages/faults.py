@@ -59,14 +59,14 @@ def kill_window(stage: str):
     """Decorator for a stage function with a `step` argument (or none: step `final`): the kill window above."""
 
     def wrap(fn):
-        params = inspect.signature(fn).parameters
+        sig_of = inspect.signature(fn)
+        takes_step = "step" in sig_of.parameters
 
         @functools.wraps(fn)
         def inner(*args, **kwargs):
-            step = "final"
-            if "step" in params:
-                bound = inspect.signature(fn).bind_partial(*args, **kwargs)
-                step = bound.arguments.get("step", "final")
+            if "@" not in os.environ.get("LGRPO_KILL_AT", ""):  # normal runs: one lookup
+                return fn(*args, **kwargs)
+            step = sig_of.bind_partial(*args, **kwargs).arguments.get("step", "final") if takes_step else "final"
             w = _window(stage, step)
             if w is None:
                 return fn(*args, **kwargs)

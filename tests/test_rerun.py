@@ -76,3 +76,13 @@ def test_sigkill_in_replay_then_rerun_matches_uninterrupted(tmp_path):
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), "adapter after the re-run differs"
     oa, ob = _tensors(run / "step-0001" / "optimizer.safetensors"), _tensors(tmp_path / "ref" / "step-0001" / "optimizer.safetensors")
     assert all((oa[k] == ob[k]).all() for k in oa)
+
+    # the same command again finishes the run without running the finished steps' flows again (a step flow's
+    # publish rewrites its metrics.json): resuming costs nothing per finished step
+    stamps = {s: (run / f"step-000{s}" / "metrics.json").stat().st_mtime_ns for s in (0, 1)}
+    done = _lgrpo(["train", "--run-dir", str(run), "--steps", "2", *sets], env, tmp_path / "log-finish")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert {s: (run / f"step-000{s}" / "metrics.json").stat().st_mtime_ns for s in (0, 1)} == stamps
+    assert (run / "summary.json").exists()
+    a2 = _tensors(run / "step-0001" / "adapter" / "adapter_model.safetensors")
+    assert all((a2[k] == b[k]).all() for k in b)

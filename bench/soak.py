@@ -27,7 +27,6 @@ Anything the drill finds is to be fixed in the product, not here. Exit status 0 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import random
@@ -44,10 +43,6 @@ sys.path.insert(0, str(ROOT))
 from flows.api_server import EXIT_SERVER_DIED  # noqa: E402  (torch-free)
 
 PHASES = ["generate-turn", "gym", "replay", "optimize", "probe", "checkpoint"]
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def children_of(pid: int, needle: str) -> list[int]:
@@ -162,7 +157,7 @@ def reference(a, root: Path, env: dict) -> dict:
 
 def flip_and_rerun(run_dir: Path, step: int, root: Path, env: dict, rng: random.Random) -> dict:
     """Flip one byte of a stored artifact of a finished step, ask for a rerun of that step, check what came back."""
-    from artifacts import RunDir, verify
+    from artifacts import ArtifactError, RunDir, verify
 
     rd = RunDir(run_dir)
     target = rd.replay(step) if rd.replay(step).exists() else rd.rollouts(step)
@@ -178,7 +173,7 @@ def flip_and_rerun(run_dir: Path, step: int, root: Path, env: dict, rng: random.
     prefect_log = r.stdout + r.stderr
     try:
         after = verify(target)
-    except Exception as exc:  # noqa: BLE001 - reported, not raised: the drill's check says what went wrong
+    except ArtifactError as exc:  # reported: the drill's check says what went wrong
         after = f"does not verify: {exc}"
     return {"step": step, "file": str(target), "byte": at, "rerun_rc": r.returncode,
             "named": str(target) in prefect_log or target.name in prefect_log,
@@ -186,7 +181,7 @@ def flip_and_rerun(run_dir: Path, step: int, root: Path, env: dict, rng: random.
 
 
 def final_checks(a, run_dir: Path, ref: dict, steps: int) -> dict:
-    from artifacts import ArtifactError, RunDir, read_json, verify
+    from artifacts import ArtifactError, RunDir, read_json, sha256_file, verify
     from gyms.trace import TraceError, verify_trace
 
     rd = RunDir(run_dir)
@@ -226,8 +221,8 @@ def final_checks(a, run_dir: Path, ref: dict, steps: int) -> dict:
     ref_rd = RunDir(Path(ref["run_dir"]))
     pairs = {"adapter": (rd.adapter(last) / "adapter_model.safetensors", ref_rd.adapter(last) / "adapter_model.safetensors"),
              "optimizer": (rd.optimizer(last), ref_rd.optimizer(last))}
-    out["bitwise_vs_reference"] = {"step": last, **{k: {"soak": sha256(p)[:16], "reference": sha256(q)[:16],
-                                                        "equal": sha256(p) == sha256(q)} for k, (p, q) in pairs.items()}}
+    out["bitwise_vs_reference"] = {"step": last, **{k: {"soak": sha256_file(p)[:16], "reference": sha256_file(q)[:16],
+                                                        "equal": sha256_file(p) == sha256_file(q)} for k, (p, q) in pairs.items()}}
     out["bitwise_equal"] = all(v["equal"] for k, v in out["bitwise_vs_reference"].items() if k != "step")
     return out
 

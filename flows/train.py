@@ -7,12 +7,12 @@ from __future__ import annotations
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from artifacts import ArtifactError, RunDir, checkpoint, curves, read_json, sidecar_path, verify, write_json
+from artifacts import RunDir, checkpoint, curves, read_json, write_json
 from configs.params import TrainParameters
 from configs.schema import load_config
 from engine import pool
 from flows import tasks as T
-from flows.step import step_flows
+from flows.step import step_flows, unusable_outputs
 from stages.prepare import init_run_dir, record_prepared  # noqa: F401  (init_run_dir: public here too)
 
 
@@ -75,15 +75,8 @@ def finished_step(rd: RunDir, step: int) -> dict | None:
 
     A resumed run does not run such a step's flow again: replaying it with every stage Cached cost Prefect ~2 s per
     step (7 min at step 209 of the soak drill, growing with every step); `lgrpo rerun --step N` re-runs one."""
-    files = [rd.metrics(step), rd.timings(step), rd.optimizer(step)]
-    adapter = rd.adapter(step)
-    if adapter.is_dir():
-        files += [f for f in sorted(adapter.iterdir()) if sidecar_path(f).is_file()]
-    try:
-        if not adapter.is_dir() or len(files) < 4:
-            return None
-        for f in files:
-            verify(f)
-    except ArtifactError:
+    bad = unusable_outputs({"path": str(rd.metrics(step)), "adapter": str(rd.adapter(step)),
+                            "optimizer": str(rd.optimizer(step))}) + unusable_outputs({"path": str(rd.timings(step))})
+    if bad:
         return None
     return read_json(rd.metrics(step)) | {"phases": read_json(rd.timings(step)), "finished_before": True}

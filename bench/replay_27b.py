@@ -129,6 +129,8 @@ def main(argv=None) -> dict:
     p.add_argument("--base", choices=["bf16", "nf4"], default="bf16", help="nf4: bitsandbytes NF4 base, as the 27B step")
     p.add_argument("--adapter-kernels", nargs="+", choices=["auto", "torch"], default=["auto"],
                    help="the LoRA/DoRA epilogue per pass of part 1 (engine/adapter_kernels.py); several: side by side")
+    p.add_argument("--checkpoint-keeps", nargs="+", choices=["inputs", "matmuls"], default=["inputs"],
+                   help="replay.checkpoint_keeps of the checkpoint and two-pass tiers in part 1; several: side by side")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
 
@@ -178,22 +180,30 @@ def main(argv=None) -> dict:
     from engine.replay import measure_costs
 
     probe = make_turns([1000], 16, 64, d, vocab, eng.scale, 1)
-    t = time.perf_counter()
-    eng._replay_costs = measure_costs(eng, probe, ReplayConfig(), 1.0, 0.05, probe_tokens=a.probe_tokens)
-    res["token_costs"] = eng._replay_costs.as_dict() | {"measure_s": round(time.perf_counter() - t, 1),
-                                                        "probe_tokens": a.probe_tokens}
-    print(json.dumps(res["token_costs"]), flush=True)
+    costs = {}
+    for keeps in dict.fromkeys(["inputs", *a.checkpoint_keeps]):
+        t = time.perf_counter()
+        costs[keeps] = measure_costs(eng, probe, ReplayConfig(checkpoint_keeps=keeps), 1.0, 0.05,
+                                     probe_tokens=a.probe_tokens)
+        res.setdefault("token_costs_by_checkpoint_keeps", {})[keeps] = costs[keeps].as_dict() | {
+            "measure_s": round(time.perf_counter() - t, 1), "probe_tokens": a.probe_tokens}
+    eng._replay_costs = costs["inputs"]
+    res["token_costs"] = res["token_costs_by_checkpoint_keeps"]["inputs"]
+    print(json.dumps(res["token_costs_by_checkpoint_keeps"]), flush=True)
 
     # 1. one long turn per tier ---------------------------------------------------------------------------------------
     res["turns"] = []
-    for T, kernels, tier in [(T, k, tier) for T in a.tokens for k in a.adapter_kernels for tier in a.tiers]:
+    cases = [(T, k, tier, keeps) for T in a.tokens for k in a.adapter_kernels for tier in a.tiers
+             for keeps in (a.checkpoint_keeps if tier != "keep" else ["inputs"])]
+    for T, kernels, tier, keeps in cases:
         turns = make_turns([T - 16 - 64 - 1], 16, 64, d, vocab, eng.scale, T)
         F = flops(arch, model, T, 64)
         epilogue = AK.install(kernels, dev)
         caps = {"keep": {}, "checkpoint": {"keep_graph_tokens": 0},
                 "two_pass": {"keep_graph_tokens": 0, "checkpoint_tokens": 0}}[tier]
-        rc = ReplayConfig(**caps)
-        row = {"T": T, "tier": tier, "adapter_kernels": kernels, "epilogue": epilogue}
+        rc = ReplayConfig(**caps, checkpoint_keeps=keeps)
+        eng._replay_costs = costs[keeps]
+        row = {"T": T, "tier": tier, "checkpoint_keeps": keeps, "adapter_kernels": kernels, "epilogue": epilogue}
         try:
             from engine.replay import plan_for
 
@@ -216,6 +226,7 @@ def main(argv=None) -> dict:
 
     # 2. recipe shapes: preflight estimate vs measured peak -----------------------------------------------------------
     AK.install(a.adapter_kernels[0], dev)
+    eng._replay_costs = costs["inputs"]
     res["shapes"] = []
     for shape in a.shapes:
         rows, n_turns = map(int, shape.split("x"))

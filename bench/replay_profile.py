@@ -16,6 +16,8 @@ in the checkpoint tier and back-propagates Σ w·logp through stages.optimize.ac
    as *, innermost module wins) and to the pass -- forward, recompute (a checkpointed forward run again inside
    backward) or backward (the autograd node is matched to the forward op that made it by sequence number) -- so
    the FP32 elementwise time of part 3 gets an owner before anything is optimised.
+5. The keep tier's saved tensors per token, by module and dtype (saved_tensors_hooks), beside the allocator's
+   count: what makes the graph ~30 MB per token at the 27B width.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def main(argv=None) -> dict:
     cfg27 = load_config("qwen35-27b")
     arch = dict(cfg27.model.arch)
     kinds = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+    full_layers = arch["num_hidden_layers"]
     arch.update(num_hidden_layers=a.layers, layer_types=[kinds[i % 4] for i in range(a.layers)])
     vocab = arch["vocab_size"]
     base = build_random(arch, vocab, dev, torch.bfloat16, 0)
@@ -130,9 +133,74 @@ def main(argv=None) -> dict:
         res["attribution"] = attribute(lambda: run_plan(eng, turns, rc, plan=plan), model, a.top)
         res["attribution"]["tokens"] = sum(turns.lengths())
         print(json.dumps(res["attribution"], indent=1), flush=True)
+    if 5 in a.parts:
+        turns, plan = case([2 * n], 7)
+        res["saved"] = saved_census(eng, turns, rc, model, a.layers, full_layers, 60)
+        print(json.dumps(res["saved"], indent=1), flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
     return res
+
+
+def saved_census(eng, turns, rc, model, layers: int, full_layers: int, top: int) -> dict:
+    """What the keep tier's autograd graph holds, per token: every tensor saved for backward (saved_tensors_hooks),
+    counted once per storage, attributed to the innermost module whose forward saved it (layer numbers as *), with
+    its dtype; beside it what the CUDA allocator holds after the forward. Scaled to the full model's layer count."""
+    import torch
+
+    from engine.replay import score_microbatch
+
+    stack: list[str] = []
+    hooks = []
+    for name, mod in model.named_modules():
+        label = _module_label(name)
+        def pre(m, args, label=label) -> None:
+            stack.append(label)
+
+        def post(m, args, out) -> None:  # returns None: a forward hook's return value would replace the output
+            stack.pop()
+
+        hooks.append(mod.register_forward_pre_hook(pre))
+        hooks.append(mod.register_forward_hook(post))
+    seen: set = set()
+    by: dict = defaultdict(lambda: [0, 0])
+
+    def pack(t):
+        try:
+            st = t.untyped_storage()
+            key = (st.data_ptr(), st.nbytes())
+            nbytes = st.nbytes()
+        except (RuntimeError, NotImplementedError):
+            key, nbytes = (id(t), 0), t.numel() * t.element_size()
+        if key not in seen and t.device.type == "cuda":
+            seen.add(key)
+            k = (stack[-1] if stack else "(outside)", str(t.dtype).replace("torch.", ""))
+            by[k][0] += nbytes
+            by[k][1] += 1
+        return t
+
+    dev = eng.device
+    torch.cuda.synchronize(dev)
+    m0 = torch.cuda.memory_allocated(dev)
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = score_microbatch(eng, turns, list(range(len(turns.rows))), 1.0, 0.05, "keep", rc)
+        torch.cuda.synchronize(dev)
+        kept = torch.cuda.memory_allocated(dev) - m0
+    finally:
+        for h in hooks:
+            h.remove()
+    del out
+    tokens = sum(turns.lengths())
+    scale = full_layers / layers
+    total = sum(v[0] for v in by.values())
+    rows = sorted(by.items(), key=lambda kv: -kv[1][0])
+    return {"tokens": tokens, "layers": layers, "scaled_to_layers": full_layers,
+            "allocator_kept_mb_per_token": round(kept / tokens / 2**20, 3),
+            "saved_mb_per_token": round(total / tokens / 2**20, 3),
+            "allocator_kept_mb_per_token_full_model": round(kept / tokens / 2**20 * scale, 2),
+            "by_module": [{"module": k[0], "dtype": k[1], "kb_per_token": round(v[0] / tokens / 1024, 2),
+                           "tensors": v[1]} for k, v in rows[:top]]}
 
 
 def _module_label(name: str) -> str:

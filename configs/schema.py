@@ -183,6 +183,11 @@ class ReplayConfig(_Strict):
                                 "layer (layer inputs kept, forward recomputed in backward); tokens beyond go two-pass "
                                 "(scored without a graph, re-forwarded and back-propagated one micro-batch at a time in "
                                 "optimize, checked bit for bit). None: as many as fit")
+    checkpoint_keeps: Literal["inputs", "matmuls"] = Field(
+        "inputs", description="what the checkpoint tier keeps besides each decoder layer's input. inputs: nothing "
+                              "(the whole layer forward is recomputed in backward); matmuls: also the outputs of the "
+                              "layer's wide matrix products (base projections, attention), so backward recomputes only "
+                              "the cheap ops -- more memory per token (the preflight measures it), less recompute")
     memory_budget_gb: float | None = Field(
         None, gt=0, description="device memory the preflight plans for; None: memory_fraction of the GPU (no budget "
                                 "on the CPU unless set here)")

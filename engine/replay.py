@@ -8,7 +8,8 @@ Memory policy (the run's ``replay:`` config). Replay is planned before it runs:
     pack        micro-batches of whole turns by padded token count (rows x longest), longest turns first, short
                 turns of several groups sharing one; a turn is never split.
     tiers       by cumulative tokens on the device: keep the whole autograd graph until optimize (fastest), then
-                activation checkpointing per decoder layer (keeps layer inputs only), then two-pass: scored without
+                activation checkpointing per decoder layer (keeps layer inputs only, or with replay.checkpoint_keeps:
+                matmuls also the matrix products' outputs: less recompute), then two-pass: scored without
                 a graph; optimize re-forwards each such micro-batch with its gradient weights and back-propagates it
                 at once, after checking the re-forward equals the first pass bit for bit (gate replay-determinism).
     preflight   peak = resident + kept graph of the keep/checkpoint tiers + the micro-batch in flight, from bytes
@@ -206,17 +207,45 @@ def estimate_costs(model) -> TokenCosts:
 # scoring
 
 
+# the "matmuls" checkpoint mode keeps the outputs of these ops (wide matrix products and attention) through the
+# backward; a product whose reduction is at most LOW_RANK wide (a LoRA term) is recomputed instead: cheap to redo, and
+# its FP32 output would be as wide as the layer's
+KEPT_OPS = frozenset({
+    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "bitsandbytes::gemm_4bit",
+    "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_flash_attention_for_cpu"})
+LOW_RANK = 64
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs):
+    """Selective-checkpoint policy of checkpoint_keeps=matmuls (torch.utils.checkpoint)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    name = op.name()
+    if name in KEPT_OPS:
+        a = args[1] if name in ("aten::addmm", "aten::baddbmm") else args[0]
+        if not name.startswith(("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")) or a.shape[-1] > LOW_RANK:
+            return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 @contextmanager
-def checkpointed_layers(model, context=None):
+def checkpointed_layers(model, context=None, keeps: str = "inputs"):
     """Activation checkpointing per decoder layer (non-reentrant): a layer keeps only its inputs; backward
     recomputes its forward with the same kernels, so values are bit-identical to the plain forward.
 
     context: a factory of the context manager the layer ran under (the replay adapter's forwards); the recompute in
-    backward runs outside the caller's `with` block, so it enters the same context again itself."""
+    backward runs outside the caller's `with` block, so it enters the same context again itself.
+    keeps: "inputs" (the above) or "matmuls": selective checkpointing that also keeps the outputs of KEPT_OPS, so
+    the recompute skips the matrix products (their kept outputs are the same tensors: still bit-identical)."""
     from contextlib import nullcontext
+    from functools import partial
 
-    from torch.utils.checkpoint import checkpoint
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+    if keeps not in ("inputs", "matmuls"):
+        raise ValueError(f"checkpoint keeps {keeps!r}: one of inputs, matmuls")
+    extra = {} if keeps == "inputs" else {"context_fn": partial(create_selective_checkpoint_contexts, _keep_matmuls)}
     layers = list(M._parts(model)[0].layers)
     ctx = context or nullcontext
     for layer in layers:
@@ -227,7 +256,7 @@ def checkpointed_layers(model, context=None):
                 return _orig(*args, **kwargs)
 
         def fwd(*args, _run=run, **kwargs):
-            return checkpoint(_run, *args, use_reentrant=False, **kwargs)
+            return checkpoint(_run, *args, use_reentrant=False, **extra, **kwargs)
 
         layer.forward = fwd
     try:
@@ -267,7 +296,8 @@ def score_microbatch(engine, turns: Turns, idx: list[int], temperature: float, s
         if lean:
             stack.enter_context(replay_adapter(engine))
         if tier in ("checkpoint", "two_pass") and torch.is_grad_enabled():
-            stack.enter_context(checkpointed_layers(engine.model, (lambda: replay_adapter(engine)) if lean else nullcontext))
+            stack.enter_context(checkpointed_layers(engine.model, (lambda: replay_adapter(engine)) if lean else nullcontext,
+                                                    "inputs" if rc is None else rc.checkpoint_keeps))
         return SC.score_turns(engine.model, *args, logprob_chunk=None if rc is None else rc.logprob_chunk)
 
 

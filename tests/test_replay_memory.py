@@ -313,6 +313,57 @@ def test_every_tier_gives_the_kept_graph_gradients(dtype):
         assert got["passed"] and got["rel_l2"] <= REL_L2_MAX, got
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("adapter_type", ["lora", "dora"])
+def test_checkpoint_keeping_matmuls_skips_their_recompute_with_the_same_gradients(dtype, adapter_type):
+    """replay.checkpoint_keeps: matmuls keeps the wide matrix products' outputs: backward runs none of the
+    forward's wide products again (counted at the dispatcher), the LoRA terms' narrow ones still are, and the
+    gradients equal the plain checkpoint tier's (and the kept graph's) bit for bit."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from configs.schema import ReplayConfig
+    from engine.replay import LOW_RANK, score_microbatch
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.wide = self.narrow = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.name()
+            if name in ("aten::mm", "aten::addmm", "aten::bmm"):
+                a = args[1] if name == "aten::addmm" else args[0]
+                if a.shape[-1] > LOW_RANK:
+                    self.wide += 1
+                else:
+                    self.narrow += 1
+            return func(*args, **(kwargs or {}))
+
+    turns = _turns(3)
+    model = _model(adapter_type, dtype)
+    eng = _Eng(model)
+    idx = [0, 1, 2]
+    out = {}
+    for label, tier, keeps in (("keep", "keep", "inputs"), ("inputs", "checkpoint", "inputs"),
+                               ("matmuls", "checkpoint", "matmuls")):
+        rc = ReplayConfig(checkpoint_keeps=keeps)
+        _zero(model)
+        fwd, bwd = Products(), Products()
+        with torch.enable_grad(), fwd:
+            a, q = score_microbatch(eng, turns, idx, 1.0, 0.05, tier, rc)
+        with bwd:
+            _objective(a, q, idx).backward()
+        out[label] = (_grads(model), fwd, bwd)
+    g_keep, f_keep, b_keep = out["keep"]
+    assert f_keep.wide > 0 and f_keep.narrow > 0
+    for label in ("inputs", "matmuls"):
+        g = out[label][0]
+        assert all(torch.equal(g[k], g_keep[k]) for k in g_keep), label
+    b_in, b_mm = out["inputs"][2], out["matmuls"][2]
+    assert b_in.wide > b_keep.wide and b_mm.wide == b_keep.wide  # matmuls: no wide product recomputed
+    assert b_mm.narrow > b_keep.narrow  # the LoRA terms' products are recomputed
+
+
 def test_two_pass_rerun_detects_a_changed_forward():
     """The second pass must equal the first bit for bit; a changed weight between the passes fails the
     replay-determinism gate instead of silently back-propagating another function."""

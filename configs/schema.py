@@ -286,6 +286,10 @@ class GRPOConfig(_Strict):
         "TRL's arithmetic, where one term more than 88.7 nat above its old value overflows and makes the gradient "
         "NaN (thought densities move by hundreds of nats on reuse steps at full width)")
     beta: float = 0.0
+    negative_advantage_scale: float = Field(
+        1.0, ge=0, description="multiplies the advantages below zero after group normalization (1: TRL's GRPO; "
+        "0: only rollouts better than their group's mean are reinforced, the others get no gradient; between: "
+        "weaker pushes away from worse-than-mean rollouts)")
     importance_sampling_level: Literal["token", "sequence"] = "token"
     scale_rewards: Literal["group", "batch", "none"] = "group"
     max_completion_length: int = Field(512, ge=1, description="dr_grpo normalizer")

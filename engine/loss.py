@@ -78,6 +78,13 @@ def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: Scale
     return torch.nan_to_num(advantages, nan=0.0)
 
 
+def scale_negative_advantages(advantages: Tensor, scale: float) -> Tensor:
+    """Advantages below zero multiplied by `scale` (grpo.negative_advantage_scale); 1 returns them unchanged."""
+    if scale == 1.0:
+        return advantages
+    return torch.where(advantages < 0, advantages * scale, advantages)
+
+
 def importance_sampling_ratio(
     old_logps: Tensor,
     sampling_logps: Tensor,

@@ -51,7 +51,7 @@ def collect_rollouts(run_dir: str, step: int, turn_ins: list[str], gym_ins: list
     """One record per (rollout, turn) with the rollout's reward and group-relative advantage (rollouts.arrow)."""
     import torch
 
-    from engine.loss import group_advantages
+    from engine.loss import group_advantages, scale_negative_advantages
 
     cfg = run_config(run_dir)
     out = {"stage": "collect-rollouts"}
@@ -62,7 +62,8 @@ def collect_rollouts(run_dir: str, step: int, turn_ins: list[str], gym_ins: list
         G = cfg.grpo.num_generations
         if any(groups[i] != groups[i - i % G] for i in range(len(groups))):
             raise ValueError(f"rows are not laid out in groups of num_generations={G}")
-        adv = group_advantages(rewards, G, cfg.grpo.scale_rewards)
+        adv = scale_negative_advantages(group_advantages(rewards, G, cfg.grpo.scale_rewards),
+                                        cfg.grpo.negative_advantage_scale)
         recs = []
         tool_errors = 0
         for t, (tin, gin) in enumerate(zip(turn_ins, gym_ins)):

@@ -19,7 +19,8 @@ import torch
 from trl.trainer import grpo_trainer as trl_grpo
 from trl.trainer.grpo_trainer import GRPOTrainer
 
-from engine.loss import LOSS_TYPES, group_advantages, grpo_loss, importance_sampling_ratio, token_weights
+from engine.loss import (LOSS_TYPES, group_advantages, grpo_loss, importance_sampling_ratio,
+                         scale_negative_advantages, token_weights)
 
 torch.set_num_threads(1)
 EXACT = dict(atol=0.0, rtol=0.0)
@@ -288,6 +289,17 @@ def test_group_advantages_by_hand():
         torch.testing.assert_close(got, trl_advantages(r, 4, mode), **EXACT)
     assert a == pytest.approx(0.865875, abs=1e-6) and b == pytest.approx(0.564012, abs=1e-6)
     torch.testing.assert_close(group_advantages(r, 4, True), group_advantages(r, 4, "group"), **EXACT)
+
+
+def test_negative_advantage_scale():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0], dtype=torch.float64)
+    adv = group_advantages(r, 4)
+    assert scale_negative_advantages(adv, 1.0) is adv  # the default is TRL's arithmetic, untouched
+    a = float(adv[0])
+    torch.testing.assert_close(scale_negative_advantages(adv, 0.0),
+                               torch.tensor([a, 0, 0, a, 0, 0, 0, 0], dtype=torch.float64), **EXACT)
+    torch.testing.assert_close(scale_negative_advantages(adv, 0.25),
+                               torch.tensor([a, -a / 4, -a / 4, a, 0, 0, 0, 0], dtype=torch.float64), **EXACT)
 
 
 @pytest.mark.parametrize("mode", ["group", "batch", "none"])

@@ -62,7 +62,8 @@ class TokenCosts:
     keep        autograd graph kept per token without checkpointing (held until optimize back-propagates it)
     checkpoint  kept per token with activation checkpointing per decoder layer (layer inputs only)
     transient   extra bytes per token of the micro-batch in flight (its forward / one layer's recompute and its
-                backward), on top of what is kept"""
+                backward), on top of what is kept. A two-pass micro-batch in flight also holds its re-forward's
+                checkpointed graph: the plan adds `checkpoint` per token for it when it has two-pass micro-batches"""
 
     keep: float
     checkpoint: float
@@ -157,7 +158,18 @@ def plan_replay(lengths: list[int], rc, costs: TokenCosts | None = None, base_by
             cum += n
             plan.tiers[j] = "keep" if cum <= keep_cap else ("checkpoint" if cum <= ckpt_cap else "two_pass")
         return plan
-    transient = costs.transient * max(tokens) + costs.fixed
+    plan = _assign(plan, tokens, lengths, rc, costs, base_bytes, budget_bytes, two_pass_in_flight=False)
+    if "two_pass" in plan.tiers:  # then a re-forward's checkpointed graph is in flight too: plan again with it
+        plan = _assign(plan, tokens, lengths, rc, costs, base_bytes, budget_bytes, two_pass_in_flight=True)
+    return plan
+
+
+def _assign(plan: ReplayPlan, tokens: list[int], lengths: list[int], rc, costs: TokenCosts, base_bytes: float,
+            budget_bytes: float, two_pass_in_flight: bool) -> ReplayPlan:
+    """plan_replay's tiers against a budget: the peak is resident + kept graphs + the largest micro-batch in flight
+    (plus, when two-pass micro-batches may be in flight, a re-forward's checkpointed graph)."""
+    per_token = costs.transient + (costs.checkpoint if two_pass_in_flight else 0.0)
+    transient = per_token * max(tokens) + costs.fixed
     if base_bytes + transient > budget_bytes:
         longest = max(lengths)
         what = (f"one turn of {longest} tokens needs {transient / GiB:.1f} GiB in flight: shorten episodes "
@@ -317,7 +329,8 @@ def _fresh_grads(params):
 def measure_costs(engine, turns: Turns, rc, temperature: float, sigma: float, probe_tokens: int = 512
                   ) -> TokenCosts:
     """Bytes per token of each tier, measured with the CUDA allocator on probe turns of `probe_tokens` and twice that
-    (the first stored turn's prefix cut or repeated to length, its thoughts and answer): what stays allocated after
+    (4x those for the checkpoint tier; the first stored turn's prefix cut or repeated to length, its thoughts and
+    answer): what stays allocated after
     the forward (slope over the two sizes), and the peak above that during forward and backward (slope, plus the
     size-independent part -- e.g. a dequantized NF4 weight -- as `fixed`). Leaves .grad as it was."""
     dev = engine.device
@@ -344,16 +357,20 @@ def measure_costs(engine, turns: Turns, rc, temperature: float, sigma: float, pr
         return float(kept), float(peak - kept), probe.lengths()[0]
 
     fits = {}
+    # the checkpoint tier is probed 4x longer: its in-flight bytes per token (one layer's recompute and backward) are
+    # small enough that at probe_tokens a size-independent allocation (a dequantized NF4 weight) hides their slope
+    # (measured at the 27B width: 0.02 MB/token from 512/1024-token probes, ~0.55 in an 8k-token turn)
+    sizes = {"keep": probe_tokens, "checkpoint": 4 * probe_tokens}
     with _fresh_grads(params):
         for tier in ("keep", "checkpoint"):
-            k1, t1, n1 = one(tier, probe_tokens)
-            k2, t2, n2 = one(tier, 2 * probe_tokens)
+            k1, t1, n1 = one(tier, sizes[tier])
+            k2, t2, n2 = one(tier, 2 * sizes[tier])
             dn = max(1, n2 - n1)
             ks, ts = max(0.0, (k2 - k1) / dn), max(0.0, (t2 - t1) / dn)
             fits[tier] = (ks, ts, max(0.0, t2 - ts * n2), max(0.0, k2 - ks * n2))
     keep, ckpt = fits["keep"], fits["checkpoint"]
     # a two-pass micro-batch is re-forwarded with checkpointing: its checkpoint graph is in flight too
-    transient = max(keep[1], ckpt[1] + ckpt[0])
+    transient = max(keep[1], ckpt[1])  # plan_replay adds the checkpointed re-forward graph for two-pass plans
     fixed = max(keep[2], ckpt[2] + ckpt[3])
     return TokenCosts(keep=keep[0], checkpoint=ckpt[0], transient=transient, source="measured", fixed=fixed)
 

@@ -223,6 +223,16 @@ def test_preflight_picks_tiers_to_fit_and_refuses_what_cannot_fit_naming_the_set
     # a tight budget pushes the rest to two-pass instead of failing
     tight = plan_replay(lengths, ReplayConfig(microbatch_tokens=2000), costs, 10 * 2**30, 16 * 2**30)
     assert tight.tiers[-1] == "two_pass" and tight.est_peak_bytes <= 16 * 2**30
+    # the estimate: resident + kept graphs + the largest micro-batch in flight, plus a re-forward's checkpointed graph
+    # only when the plan has two-pass micro-batches
+    per = {"keep": costs.keep, "checkpoint": costs.checkpoint, "two_pass": 0.0}
+    ckpt_only = plan_replay(lengths, ReplayConfig(microbatch_tokens=2000, keep_graph_tokens=0), costs, 10 * 2**30,
+                            40 * 2**30)
+    for p in (plan, tight, ckpt_only):
+        two = costs.checkpoint if "two_pass" in p.tiers else 0.0
+        want = 10 * 2**30 + sum(per[t] * n for t, n in zip(p.tiers, p.tokens)) + (costs.transient + two) * 2000
+        assert p.est_peak_bytes == pytest.approx(want)
+    assert set(ckpt_only.tiers) == {"checkpoint"} and "two_pass" in tight.tiers
     # a forced keep tier that cannot fit: refused before replay, naming the setting
     with pytest.raises(ReplayMemoryError, match="replay.keep_graph_tokens"):
         plan_replay(lengths, ReplayConfig(microbatch_tokens=2000, keep_graph_tokens=20000), costs, 10 * 2**30,

@@ -222,8 +222,9 @@ def estimate_costs(model) -> TokenCosts:
 # the "matmuls" checkpoint mode keeps the outputs of these ops (wide matrix products and attention) through the
 # backward; a product whose reduction is at most LOW_RANK wide (a LoRA term) is recomputed instead: cheap to redo, and
 # its FP32 output would be as wide as the layer's
+PRODUCT_OPS = {"aten::mm": 0, "aten::bmm": 0, "aten::addmm": 1, "aten::baddbmm": 1}  # op -> its left operand
 KEPT_OPS = frozenset({
-    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "bitsandbytes::gemm_4bit",
+    *PRODUCT_OPS, "bitsandbytes::gemm_4bit",
     "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
     "aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_flash_attention_for_cpu"})
 LOW_RANK = 64
@@ -234,11 +235,9 @@ def _keep_matmuls(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
     name = op.name()
-    if name in KEPT_OPS:
-        a = args[1] if name in ("aten::addmm", "aten::baddbmm") else args[0]
-        if not name.startswith(("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")) or a.shape[-1] > LOW_RANK:
-            return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+    if name in PRODUCT_OPS and args[PRODUCT_OPS[name]].shape[-1] <= LOW_RANK:
+        return CheckpointPolicy.PREFER_RECOMPUTE  # a LoRA term's product
+    return CheckpointPolicy.MUST_SAVE if name in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 @contextmanager
@@ -330,9 +329,9 @@ def measure_costs(engine, turns: Turns, rc, temperature: float, sigma: float, pr
                   ) -> TokenCosts:
     """Bytes per token of each tier, measured with the CUDA allocator on probe turns of `probe_tokens` and twice that
     (4x those for the checkpoint tier; the first stored turn's prefix cut or repeated to length, its thoughts and
-    answer): what stays allocated after
-    the forward (slope over the two sizes), and the peak above that during forward and backward (slope, plus the
-    size-independent part -- e.g. a dequantized NF4 weight -- as `fixed`). Leaves .grad as it was."""
+    answer): what stays allocated after the forward (slope over the two sizes), and the peak above that during
+    forward and backward (slope, plus the size-independent part -- e.g. a dequantized NF4 weight -- as `fixed`).
+    Uses rc's checkpoint_keeps. Leaves .grad as it was."""
     dev = engine.device
     if dev.type != "cuda":
         raise ValueError("measure_costs needs the CUDA allocator; on the CPU use estimate_costs")
@@ -369,8 +368,8 @@ def measure_costs(engine, turns: Turns, rc, temperature: float, sigma: float, pr
             ks, ts = max(0.0, (k2 - k1) / dn), max(0.0, (t2 - t1) / dn)
             fits[tier] = (ks, ts, max(0.0, t2 - ts * n2), max(0.0, k2 - ks * n2))
     keep, ckpt = fits["keep"], fits["checkpoint"]
-    # a two-pass micro-batch is re-forwarded with checkpointing: its checkpoint graph is in flight too
-    transient = max(keep[1], ckpt[1])  # plan_replay adds the checkpointed re-forward graph for two-pass plans
+    # a two-pass micro-batch in flight also holds its checkpointed re-forward graph: plan_replay adds ckpt[0] for it
+    transient = max(keep[1], ckpt[1])
     fixed = max(keep[2], ckpt[2] + ckpt[3])
     return TokenCosts(keep=keep[0], checkpoint=ckpt[0], transient=transient, source="measured", fixed=fixed)
 

@@ -144,7 +144,7 @@ def main(argv=None) -> dict:
 
 def saved_census(eng, turns, rc, model, layers: int, full_layers: int, top: int) -> dict:
     """What the keep tier's autograd graph holds, per token: every tensor saved for backward (saved_tensors_hooks),
-    counted once per storage, attributed to the innermost module whose forward saved it (layer numbers as *), with
+    counted once per storage, parameters left out, attributed to the innermost module whose forward saved it (layer numbers as *), with
     its dtype; beside it what the CUDA allocator holds after the forward. Scaled to the full model's layer count."""
     import torch
 
@@ -162,7 +162,8 @@ def saved_census(eng, turns, rc, model, layers: int, full_layers: int, top: int)
 
         hooks.append(mod.register_forward_pre_hook(pre))
         hooks.append(mod.register_forward_hook(post))
-    seen: set = set()
+    # parameters saved by reference (e.g. the lm_head weight by the chunked log-prob backward) cost no graph memory
+    seen: set = {(p.untyped_storage().data_ptr(), p.untyped_storage().nbytes()) for p in model.parameters()}
     by: dict = defaultdict(lambda: [0, 0])
 
     def pack(t):

@@ -228,9 +228,10 @@ def final_checks(a, run_dir: Path, ref: dict, steps: int) -> dict:
 
 
 def restarts(log: Path) -> int:
-    """How often the run restarted its own tool server (its warning, once per restart, in the CLI's output)."""
+    """How often the run started its own tool server again (its warning, once per restart, in the CLI's output):
+    a server that died while serving, or one that died while starting (a kill can land in its first second)."""
     return sum(1 for x in log.read_text(errors="replace").splitlines()
-               if "lgrpo.gym" in x and "had died; restarted it" in x)
+               if "lgrpo.gym" in x and ("had died; restarted it" in x or "did not start (" in x))
 
 
 def tool_faults(run_dir: Path) -> dict:

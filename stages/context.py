@@ -155,22 +155,39 @@ def _start_own_tool_server(cfg: RunConfig, run_dir: str | Path):
         # an injected "timeout" must outlast the client's per-attempt timeout to be one
         faults = FaultConfig(rate=ts.faults.rate, kinds=tuple(ts.faults.kinds), seed=ts.faults.seed,
                              timeout_s=ts.timeout_s + 1.0)
-    server = start_tool_server(tool_server_factory_path(cfg.gym.name),
-                               {"max_turns": cfg.gym.max_turns, **cfg.gym.options}, faults=faults,
-                               fault_log=logs / "faults.jsonl", log_path=logs / "server.log")
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            server = start_tool_server(tool_server_factory_path(cfg.gym.name),
+                                       {"max_turns": cfg.gym.max_turns, **cfg.gym.options}, faults=faults,
+                                       fault_log=logs / "faults.jsonl", log_path=logs / "server.log")
+            break
+        except RuntimeError as exc:  # it died or did not listen: say so, start another (the soak drill found this)
+            if attempt == START_ATTEMPTS:
+                raise
+            _warn(f"the run's tool server did not start ({str(exc).splitlines()[0]}); started another "
+                  f"(attempt {attempt + 1} of {START_ATTEMPTS})")
     atexit.register(server.stop)
     _SERVERS[_gym_key(cfg, run_dir)] = server
     return server
+
+
+START_ATTEMPTS = 3  # starts of the run's tool server before a stage fails on it
+
+
+def _warn(msg: str) -> None:
+    """A warning in the run's log and in the running Prefect task's log."""
+    import logging
+
+    from artifacts.progress import task_log
+
+    logging.getLogger("lgrpo.gym").warning(msg)
+    task_log(logging.WARNING, msg)
 
 
 def restart_dead_tool_server(cfg: RunConfig, run_dir: str | Path) -> bool:
     """If the tool server this run started has died, start a new one and point the run's client at it (the next
     attempt of the failed stage then finds it); True when it did. A server given by `tool_server.url` is the
     user's to restart: nothing is done for it."""
-    import logging
-
-    from artifacts.progress import task_log
-
     key = _gym_key(cfg, run_dir)
     old = _SERVERS.get(key)
     if old is None or old.alive():
@@ -178,9 +195,7 @@ def restart_dead_tool_server(cfg: RunConfig, run_dir: str | Path) -> bool:
     new = _start_own_tool_server(cfg, run_dir)
     if key in _CLIENTS:
         _CLIENTS[key].retarget(new.url)
-    msg = f"the run's tool server (pid {old.pid}) had died; restarted it at {new.url} (pid {new.pid})"
-    logging.getLogger("lgrpo.gym").warning(msg)
-    task_log(logging.WARNING, msg)
+    _warn(f"the run's tool server (pid {old.pid}) had died; restarted it at {new.url} (pid {new.pid})")
     return True
 
 

@@ -234,3 +234,42 @@ def test_a_tool_server_outage_fails_the_turn_and_a_retry_completes_it(tmp_path):
             d.pop(k)
     final, _ = _oracle_turns(run_dir, tmp_path)
     assert all(r["reason"] == "answer" and r["reward"] == 1.0 for r in final)
+
+
+def test_a_tool_server_that_dies_while_starting_is_started_again_with_a_warning(tmp_path, monkeypatch, caplog):
+    """The soak drill killed a run's tool server before it listened: the start is tried again (up to
+    START_ATTEMPTS), with a warning naming what happened, instead of failing the gym stage."""
+    import logging
+
+    import gyms.launcher
+    from stages import context
+
+    run_dir = make_run(tmp_path / "run", **{"gym.transport": "http"})
+    cfg = context.run_config(run_dir)
+    real, calls = gyms.launcher.start_tool_server, []
+
+    def dies_first(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("tool server (gyms.table:TableGym) exited with code -9 before listening; log x:\n...")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gyms.launcher, "start_tool_server", dies_first)
+    with caplog.at_level(logging.WARNING, logger="lgrpo.gym"):
+        client = context.tool_client(cfg, run_dir)
+    key = next(k for k in context._SERVERS if k[0] == str((tmp_path / "run").resolve()))
+    try:
+        assert len(calls) == 2 and context._SERVERS[key].alive() and client is not None
+        assert any("did not start (tool server (gyms.table:TableGym) exited with code -9 before listening" in r.message
+                   and "attempt 2 of 3" in r.message for r in caplog.records)
+    finally:
+        context._SERVERS[key].stop()
+        for d in (context._CLIENTS, context._SERVERS):
+            for k in [k for k in d if k[0] == key[0]]:
+                d.pop(k)
+
+    calls.clear()
+    monkeypatch.setattr(gyms.launcher, "start_tool_server",
+                        lambda *a, **k: (_ for _ in ()).throw(RuntimeError("exited with code 1 before listening")))
+    with pytest.raises(RuntimeError, match="before listening"):
+        context._start_own_tool_server(cfg, run_dir)

@@ -56,6 +56,12 @@ class Progress:
         task_log(logging.INFO, text)
 
 
+def warn(logger, text: str) -> None:
+    """A warning in `logger` and in the running Prefect task's log."""
+    logger.warning(text)
+    task_log(logging.WARNING, text)
+
+
 def task_log(level: int, text: str) -> None:
     """Also log `text` to the running Prefect task's log (the UI shows it); nothing outside a task."""
     try:

@@ -15,7 +15,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from artifacts.progress import task_log
+from artifacts.progress import warn
 from artifacts.store import ArtifactError, dir_digest
 
 log = logging.getLogger("lgrpo.cache")
@@ -30,8 +30,7 @@ def cache_root() -> Path | None:
 
 
 def _warn(msg: str) -> None:
-    log.warning(msg)
-    task_log(logging.WARNING, msg)
+    warn(log, msg)
 
 
 def _copy_dir(src: Path, dst: Path) -> None:

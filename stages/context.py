@@ -175,13 +175,11 @@ START_ATTEMPTS = 3  # starts of the run's tool server before a stage fails on it
 
 
 def _warn(msg: str) -> None:
-    """A warning in the run's log and in the running Prefect task's log."""
     import logging
 
-    from artifacts.progress import task_log
+    from artifacts.progress import warn
 
-    logging.getLogger("lgrpo.gym").warning(msg)
-    task_log(logging.WARNING, msg)
+    warn(logging.getLogger("lgrpo.gym"), msg)
 
 
 def restart_dead_tool_server(cfg: RunConfig, run_dir: str | Path) -> bool:

@@ -527,6 +527,15 @@ class _StaticDecoder:
         if self.frozen is not None and self.frozen.sync() == "layout":
             self.graph = None
 
+    def adapter_frozen(self):
+        """A `with` block for eager work on this decoder's model outside its loop (engine.runtime runs the
+        prefix-cached per-row prefill in it): the FrozenAdapter forwards, synced to the adapter's current values.
+        PEFT's own DoRA forward recomputes m/||W + s·BA|| -- dequantizing and casting the whole base weight -- on
+        every forward, i.e. once per prefilled row and chunk; here it is computed once per adapter version. Bit for
+        bit PEFT's forward (tests/test_cuda_graphs.py)."""
+        self._adapter_sync()
+        return self._adapter()
+
     def stats(self) -> dict:
         return {"times_s": dict(self.times), "counts": dict(self.counts)}
 

@@ -101,8 +101,11 @@ class Engine:
         gen = generator_for(seed)  # a list: one generator per row (engine/rng.py)
         with torch.no_grad():
             if self.graphs:
-                rows = _prefill_timed(self.model, prefixes, self.prefix_cache, boundaries, times, "latent_prefill_s")
-                return self.latent_graph().run_rows(rows, K, sigma, self.scale, self.toks, gen)
+                loop = self.latent_graph()
+                with loop.adapter_frozen():  # the DoRA scale once per adapter version, not once per row and chunk
+                    rows = _prefill_timed(self.model, prefixes, self.prefix_cache, boundaries, times,
+                                          "latent_prefill_s")
+                return loop.run_rows(rows, K, sigma, self.scale, self.toks, gen)
             if self.prefix_cache is not None:
                 return PC.latent_loop_cached(self.model, prefixes, K, sigma, self.scale, self.toks, gen,
                                              self.prefix_cache, boundaries)
@@ -138,8 +141,10 @@ class Engine:
         cache = self.answer_cache(trainer)
         with torch.no_grad():
             if self.graphs:
-                rows = _prefill_timed(self.model, prefixes, cache, boundaries, times, "answers_prefill_s")
-                return self.decoder_graph().sample_rows(rows, z, max_new, temperature, self.toks, gen, limits)
+                dec = self.decoder_graph()
+                with dec.adapter_frozen():
+                    rows = _prefill_timed(self.model, prefixes, cache, boundaries, times, "answers_prefill_s")
+                return dec.sample_rows(rows, z, max_new, temperature, self.toks, gen, limits)
             if cache is not None:
                 return PC.sample_answers_cached(self.model, prefixes, z, max_new, temperature, self.toks, gen, cache,
                                                 limits, boundaries)

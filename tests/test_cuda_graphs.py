@@ -154,6 +154,45 @@ def test_frozen_adapter_is_pefts_forward_bit_for_bit(adapter):
         assert frozen.sync() == "same"
 
 
+def test_prefill_under_the_frozen_adapter_is_pefts_bit_for_bit_without_recomputing_dora_norms(monkeypatch):
+    """engine.runtime prefills the rows of a graphed turn inside `adapter_frozen()`: the per-row states equal PEFT's
+    own forward bit for bit, and no DoRA weight norm is computed per prefilled row or chunk (PEFT computes one per
+    adapted layer on every forward: at 27B with an NF4 base that dequantizes the whole model once per row)."""
+    from peft.tuners.lora.dora import DoraLinearLayer
+
+    model = _model(adapter="dora")
+    calls = {"n": 0}
+    norm = DoraLinearLayer.get_weight_norm
+
+    def counted(self, *a, **k):
+        calls["n"] += 1
+        return norm(self, *a, **k)
+
+    monkeypatch.setattr(DoraLinearLayer, "get_weight_norm", counted)
+    turns = _episodes(rows=3, turns=3)
+    bounds = [[len(turns[0][i]), len(turns[1][i])] for i in range(3)]
+    loop = CG.GraphedLatentLoop(model, graphed=False)
+    layers = len(loop.frozen.ms)
+    for update in (False, True):
+        if update:  # an adapter update in place (an optimizer step): the next block re-syncs the scale once
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if "lora_B" in n:
+                        p.mul_(1.5)
+        calls["n"] = 0
+        ref = PC.prefill_rows(model, turns[-1], None, bounds)
+        peft_calls = calls["n"]
+        calls["n"] = 0
+        with loop.adapter_frozen():
+            got = PC.prefill_rows(model, turns[-1], None, bounds)
+        assert peft_calls == layers * 3 * 3  # PEFT: every layer, every row, every chunk (3 turns)
+        assert calls["n"] == (layers if update else 0)  # frozen: synced when the adapter changed, else none
+        for a, b in zip(got.rows, ref.rows):
+            assert a.length == b.length and torch.equal(a.last_hidden, b.last_hidden)
+            assert all(torch.equal(x, y) and torch.equal(u, w) for (x, u), (y, w) in zip(a.layers, b.layers))
+    assert "forward" not in next(iter(loop.frozen.layers.values()))[0].__dict__  # PEFT's forward is back
+
+
 def test_static_path_with_dora_adapter_matches_peft_dynamic():
     model = _model(adapter="dora")
     scale = M.embed_scale(model)

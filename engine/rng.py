@@ -7,7 +7,7 @@ seed's ranks once sampled identical rollouts). So every row draws from its own g
 by side:
 
     RowRandom(seeds).randn(B, d)       row i: torch.randn(d) from generator i    (one block per thought, in order)
-    RowRandom(seeds).multinomial(p)    row i: torch.multinomial(p[i], 1) from generator i
+    RowRandom(seeds).multinomial(p)    row i: torch.multinomial(p[i], 1) from generator i (computed on p's device)
 
 `draw_normal` / `draw_multinomial` take either a RowRandom or a plain torch.Generator (one stream for the whole
 batch, row order: the bootstrap's warm start and older callers), so every latent and decode path (eager,
@@ -38,10 +38,25 @@ class RowRandom:
         return torch.stack([torch.randn(d, generator=g) for g in self.gens])
 
     def multinomial(self, probs: torch.Tensor) -> torch.Tensor:
-        """(B,) one sample per row of the (B, V) probabilities (on the CPU)."""
+        """(B,) one sample per row of the (B, V) probabilities, computed on their device: row i is exactly
+        ``torch.multinomial(probs[i].cpu(), 1, generator=gens[i])``.
+
+        One draw of torch.multinomial is argmax(p / q) with q ~ Exp(1) drawn by ``empty_like(p).exponential_(1,
+        gen)`` (ATen's single-sample path: the Gumbel-max trick in exponential form). Here q comes from the row's
+        CPU generator exactly so -- same generator consumption, same numbers -- and only q travels to the
+        probabilities' device, where p / q (IEEE division, correctly rounded on both devices) and argmax (first
+        maximum on both) choose the token. So a GPU decode no longer copies (B, V) probabilities to the host and
+        waits for them: the CPU draws q while the GPU still computes the step (at the 27B vocabulary, 248,320
+        exponentials per row). tests/test_rng.py checks it against torch.multinomial on the CPU; the GPU test
+        against it across devices."""
         if probs.shape[0] != len(self.gens):
             raise ValueError(f"RowRandom: {probs.shape[0]} rows asked for, {len(self.gens)} generators")
-        return torch.stack([torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(self.gens)])
+        if probs.dim() != 2 or probs.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"RowRandom.multinomial: (B, V) float32/float64 probabilities expected, got "
+                             f"{tuple(probs.shape)} {probs.dtype}")
+        V = probs.shape[1]
+        q = torch.stack([torch.empty(V, dtype=probs.dtype).exponential_(1, generator=g) for g in self.gens])
+        return (probs / q.to(probs.device, non_blocking=False)).argmax(-1)
 
 
 def draw_normal(gen, B: int, d: int) -> torch.Tensor:
@@ -52,9 +67,10 @@ def draw_normal(gen, B: int, d: int) -> torch.Tensor:
 
 
 def draw_multinomial(gen, probs: torch.Tensor) -> torch.Tensor:
-    """(B,) token ids sampled from (B, V) probabilities, on the generator's device."""
+    """(B,) token ids sampled from (B, V) probabilities: a RowRandom's on the probabilities' device, a
+    torch.Generator's on the generator's device."""
     if isinstance(gen, RowRandom):
-        return gen.multinomial(probs.to(gen.device))
+        return gen.multinomial(probs)  # on the probabilities' device; the same tokens as on the CPU
     return torch.multinomial(probs.to(gen.device), 1, generator=gen)[:, 0]
 
 

@@ -54,12 +54,21 @@ def _env(d: Path, **extra) -> dict:
     return env
 
 
+def _as_in_a_terminal() -> None:
+    """In the child before exec: SIGINT as a terminal's foreground process has it. A suite started in the
+    background of a non-interactive shell (`./.ci/run &`) runs with SIGINT ignored -- POSIX shells do that to
+    background jobs -- and the child would inherit it: Python then never raises KeyboardInterrupt, and the Ctrl-C case
+    below saw the run finish (seen once, 2026-12-01)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _train(run: Path, env: dict, log: Path, check_left: Path | None = None, extra: list[str] = ()) -> int:
     """`lgrpo train` of the small run in a session of its own; with check_left (its TMPDIR), assert that nothing
     of it is alive 10 s after it ended and that no server scratch folder is left there."""
     with open(log, "w") as out:
         p = subprocess.Popen([sys.executable, "-m", "lgrpo_cli", "train", "--run-dir", str(run), "--steps", "2",
-                              *SETS, *extra], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                              *SETS, *extra], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                             preexec_fn=_as_in_a_terminal)
     try:
         rc = p.wait(timeout=600)
         if check_left is not None:

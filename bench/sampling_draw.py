@@ -98,13 +98,13 @@ def main(argv=None) -> dict:
            "tokens_compared": int(host_toks.numel()),
            "after_a_gpu_step": {"gpu_step_ms": round(gpu_only, 3), "host_draw_ms": round(host_ov, 3),
                                 "device_draw_ms": round(dev_ov, 3), "ratio": round(host_ov / dev_ov, 2)}}
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=1))
     print(f"draw of {a.rows} rows x {a.vocab} vocabulary: host {host_ms:.2f} ms, on device {dev_ms:.2f} ms "
           f"({res['ratio']}x); tokens equal: {res['tokens_equal']} ({res['tokens_compared']})")
     print(f"after {gpu_only:.1f} ms of queued GPU work (a decode step's replay): wall per step host {host_ov:.2f} ms, "
           f"on device {dev_ov:.2f} ms ({res['after_a_gpu_step']['ratio']}x)")
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(res, indent=1))
     return res
 
 

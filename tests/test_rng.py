@@ -45,6 +45,13 @@ def test_a_rows_tokens_do_not_depend_on_its_neighbours():
 def test_bad_probabilities_are_refused_with_what_was_expected():
     with pytest.raises(ValueError, match="2 rows asked for, 3 generators"):
         RowRandom([1, 2, 3]).multinomial(torch.full((2, 4), 0.25))
+    for bad in (float("nan"), float("inf"), -0.5):
+        p = torch.full((2, 4), 0.25)
+        p[1, 2] = bad
+        with pytest.raises(ValueError, match="inf, nan or element < 0"):
+            RowRandom([1, 2]).multinomial(p)
+    with pytest.raises(ValueError, match="sum of probabilities <= 0"):
+        RowRandom([1, 2]).multinomial(torch.tensor([[0.5, 0.5], [0.0, 0.0]]))
     with pytest.raises(ValueError, match=r"\(B, V\) float32/float64"):
         RowRandom([1]).multinomial(torch.full((1, 4), 0.25, dtype=torch.bfloat16))
 

@@ -16,6 +16,8 @@ prefix-cached, CUDA-graphed) shares one definition of how a batch draws.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -75,6 +77,15 @@ class RowRandom:
 
 
 _POOL = None
+
+
+def _forget_pool() -> None:  # a forked child has none of the parent's threads: it makes its own pool
+    global _POOL
+    _POOL = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _draw_pool(n: int):

@@ -67,11 +67,12 @@ class RowRandom:
             q = torch.stack(list(_draw_pool(len(self.gens)).map(q_of, self.gens)))
         else:
             q = torch.stack([q_of(g) for g in self.gens])
-        # torch.multinomial's own checks, in its words
-        if not bool((torch.isfinite(probs) & (probs >= 0)).all()):
-            raise ValueError("RowRandom.multinomial: probability tensor contains either inf, nan or element < 0 "
-                             "(the model's log-probs are not finite: a diverged adapter or a broken forward)")
-        if not bool((probs.sum(-1) > 0).all()):
+        # torch.multinomial's own checks, in its words; one host sync per draw (the GPU decode's hot path)
+        finite = (torch.isfinite(probs) & (probs >= 0)).all()
+        if not bool(finite & (probs.sum(-1) > 0).all()):
+            if not bool(finite):
+                raise ValueError("RowRandom.multinomial: probability tensor contains either inf, nan or element < 0 "
+                                 "(the model's log-probs are not finite: a diverged adapter or a broken forward)")
             raise ValueError("RowRandom.multinomial: invalid multinomial distribution (sum of probabilities <= 0)")
         return (probs / q.to(probs.device)).argmax(-1)
 

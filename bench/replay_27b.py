@@ -129,6 +129,9 @@ def main(argv=None) -> dict:
     p.add_argument("--base", choices=["bf16", "nf4"], default="bf16", help="nf4: bitsandbytes NF4 base, as the 27B step")
     p.add_argument("--adapter-kernels", nargs="+", choices=["auto", "torch"], default=["auto"],
                    help="the LoRA/DoRA epilogue per pass of part 1 (engine/adapter_kernels.py); several: side by side")
+    p.add_argument("--norm-kernels", nargs="+", choices=["auto", "torch"], default=["auto"],
+                   help="the RMSNorms per pass of part 1 (engine/norm_kernels.py: fused where qualified, or "
+                        "transformers' expressions); several: side by side")
     p.add_argument("--checkpoint-keeps", nargs="+", choices=["inputs", "matmuls"], default=["inputs"],
                    help="replay.checkpoint_keeps of the checkpoint and two-pass tiers in part 1; several: side by side")
     p.add_argument("--out", default=None)
@@ -140,6 +143,7 @@ def main(argv=None) -> dict:
     from engine import adapter_kernels as AK
     from engine import gdn
     from engine import model as M
+    from engine import norm_kernels as NK
     from engine.replay import ReplayMemoryError
     from recipe_27b import build_random, with_adapter
 
@@ -172,6 +176,7 @@ def main(argv=None) -> dict:
     res["build_s"] = round(time.perf_counter() - t, 1)
     res["adapter_epilogue"] = AK.install(a.adapter_kernels[0], dev)
     res["gdn"] = gdn.install(a.gdn, M._parts(model)[0].config, dev)
+    res["norms"] = NK.install(a.norm_kernels[0], dev)
     eng = Eng(model)
     d = arch["hidden_size"]
     res["resident_gb"] = round(torch.cuda.memory_allocated(dev) / 2**30, 2)
@@ -193,17 +198,19 @@ def main(argv=None) -> dict:
 
     # 1. one long turn per tier ---------------------------------------------------------------------------------------
     res["turns"] = []
-    cases = [(T, k, tier, keeps) for T in a.tokens for k in a.adapter_kernels for tier in a.tiers
-             for keeps in (a.checkpoint_keeps if tier != "keep" else ["inputs"])]
-    for T, kernels, tier, keeps in cases:
+    cases = [(T, k, nk, tier, keeps) for T in a.tokens for k in a.adapter_kernels for nk in a.norm_kernels
+             for tier in a.tiers for keeps in (a.checkpoint_keeps if tier != "keep" else ["inputs"])]
+    for T, kernels, nk, tier, keeps in cases:
         turns = make_turns([T - 16 - 64 - 1], 16, 64, d, vocab, eng.scale, T)
         F = flops(arch, model, T, 64)
         epilogue = AK.install(kernels, dev)
+        norms = NK.install(nk, dev)
         caps = {"keep": {}, "checkpoint": {"keep_graph_tokens": 0},
                 "two_pass": {"keep_graph_tokens": 0, "checkpoint_tokens": 0}}[tier]
         rc = ReplayConfig(**caps, checkpoint_keeps=keeps)
         eng._replay_costs = costs[keeps]
-        row = {"T": T, "tier": tier, "checkpoint_keeps": keeps, "adapter_kernels": kernels, "epilogue": epilogue}
+        row = {"T": T, "tier": tier, "checkpoint_keeps": keeps, "adapter_kernels": kernels, "epilogue": epilogue,
+               "norm_kernels": nk, "norms": norms}
         try:
             from engine.replay import plan_for
 
@@ -226,6 +233,7 @@ def main(argv=None) -> dict:
 
     # 2. recipe shapes: preflight estimate vs measured peak -----------------------------------------------------------
     AK.install(a.adapter_kernels[0], dev)
+    NK.install(a.norm_kernels[0], dev)
     eng._replay_costs = costs["inputs"]
     res["shapes"] = []
     for shape in a.shapes:

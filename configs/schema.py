@@ -40,6 +40,11 @@ class ModelConfig(_Strict):
         "auto", description="the LoRA/DoRA epilogue (engine/adapter_kernels.py): auto = fused Triton kernels where "
                             "they qualify bit for bit against the PyTorch expressions on this GPU (one log line "
                             "otherwise), the PyTorch expressions on the CPU; torch = the PyTorch expressions always")
+    norm_kernels: Literal["auto", "torch"] = Field(
+        "auto", description="the RMSNorms (engine/norm_kernels.py): auto = fused Triton kernels (forward and input "
+                            "gradient) where they qualify on this GPU -- as accurate against FP64 as transformers' FP32 "
+                            "expressions, not bit for bit theirs (one log line otherwise) -- transformers' expressions "
+                            "on the CPU; torch = transformers' expressions always")
     init_seed: int = Field(0, description="seed of the random initialization (tiny / random)")
     attention_fp32: bool = Field(
         False, description="attention cores (QK^T, softmax, P·V) in FP32 in the trainer and the hf sampler, in every "

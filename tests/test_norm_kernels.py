@@ -140,7 +140,7 @@ def test_on_cuda_the_kernels_qualify_and_serve_every_norm_of_a_decode_and_a_repl
         out = model(inputs_embeds=emb).logits.float()
         out.logsumexp(-1).sum().backward()
         assert torch.isfinite(emb.grad).all()
-        assert NK._STATE["launches"] - n0 == 2 * (3 * 3 + 4 + 1) - 1
+        assert NK._STATE["launches"] - n0 == 2 * (3 * 3 + 4 + 1)  # the input embedding needs a gradient here
         w = torch.randn(5120, device="cuda").bfloat16()
         x = torch.randn(4, 5120, device="cuda").bfloat16()
         assert torch.equal(NK.rms_fused(x, w, 1e-6)[2], NK.rms_fused(x[2:3], w, 1e-6)[0])

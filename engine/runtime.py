@@ -361,3 +361,73 @@ def clear() -> None:
             engine.vllm.close()
     _ENGINES.clear()
     _TOKENIZERS.clear()
+
+
+def _tensor_bytes(tensors, seen: set) -> int:
+    """Bytes of the CUDA storages among `tensors`, each storage counted once across calls sharing `seen`."""
+    n = 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            st = t.untyped_storage()
+            key = (st.data_ptr(), st.nbytes())
+            if key not in seen:
+                seen.add(key)
+                n += st.nbytes()
+    return n
+
+
+def _static_tensors(dec) -> list:
+    """The buffers a static decoder (engine.cuda_graphs) holds: its cache's attention K/V and GDN states, mask."""
+    c = getattr(dec, "cache", None)
+    if c is None:
+        return []
+    out = [c.mask2d, c.cursor, c.cols]
+    for slot in c.layers:
+        out += [getattr(slot, "keys", None), getattr(slot, "values", None)]
+        out += [v for d in (getattr(slot, "conv_states", {}), getattr(slot, "recurrent_states", {})) for v in d.values()]
+    return out
+
+
+def memory_census() -> dict:
+    """What this process's engines hold on the GPU, in GB: per engine its weights (parameters and buffers, the
+    adapter included), its static decoders' caches and its prefix cache; the CUDA allocator's total and the share no
+    engine accounts for (autograd graphs, optimizer state, transient work, the allocator's own rounding)."""
+    GB = 2**30
+    if not torch.cuda.is_available():
+        return {}
+    seen: set = set()
+    engines = []
+    for key, e in _ENGINES.items():
+        if not isinstance(e, Engine):
+            continue
+        weights = _tensor_bytes([*e.model.parameters(), *e.model.buffers()], seen)
+        static = _tensor_bytes([t for d in (e._latent_graph, e._decoder_graph) if d is not None
+                                for t in _static_tensors(d)], seen)
+        pc = e.prefix_cache.stored_bytes if e.prefix_cache is not None else 0
+        engines.append({"role": key[0], "weights_gb": round(weights / GB, 2), "static_decoders_gb": round(static / GB, 2),
+                        "prefix_cache_gb": round(pc / GB, 2), "live_graphs": len(e.live)})
+    allocated = torch.cuda.memory_allocated()
+    held = sum(x["weights_gb"] + x["static_decoders_gb"] + x["prefix_cache_gb"] for x in engines)
+    return {"allocated_gb": round(allocated / GB, 2), "reserved_gb": round(torch.cuda.memory_reserved() / GB, 2),
+            "engines": engines, "unaccounted_gb": round(allocated / GB - held, 2)}
+
+
+def release_generation_memory() -> dict:
+    """Free what only generation uses -- every engine's prefix cache, static decoders (their caches and captured
+    graphs) and leftover replay graphs -- and return the allocator's unused blocks to the device. Nothing computed
+    depends on them (a cold cache gives the same results bit for bit); the next generation rebuilds them. For
+    end-of-run work that needs room for another engine (verify-checkpoint). Returns the census before and after."""
+    import gc
+
+    before = memory_census()
+    for e in _ENGINES.values():
+        if not isinstance(e, Engine):
+            continue
+        if e.prefix_cache is not None:
+            e.prefix_cache.clear()
+        e._latent_graph = e._decoder_graph = None
+        e.live.clear()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"before": before, "after": memory_census()}

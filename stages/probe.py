@@ -153,10 +153,21 @@ def verify_checkpoint(run_dir: str, adapter_in: str, base_in: str) -> dict:
         prefixes, thoughts, answers = probe_inputs(cfg, trainer, base_in)
         T = cfg.sampler.temperature
         live = D.teacher_forced(trainer.model, prefixes, thoughts, answers, T, trainer.toks)
-        # a fresh engine built as a new process would (device, NF4, attention), adapter through PEFT's own loader
-        fresh = runtime.build(cfg, base_in, base_in, quantization=cfg.model.quantization, adapter_dir=adapter_in,
-                              via_peft=True).model
-        reloaded = D.teacher_forced(fresh, prefixes, thoughts, answers, T, trainer.toks)
+        # the run's generation is over: its caches make room for the second engine (at the 27B shape with 16 rows
+        # the fresh engine did not fit beside them: bench/results/h200-step-27b-g4-norms-2026-12-02.json)
+        memory = runtime.release_generation_memory()
+        out["memory"] = memory
+        try:
+            # a fresh engine built as a new process would (device, NF4, attention), adapter through PEFT's own loader
+            fresh = runtime.build(cfg, base_in, base_in, quantization=cfg.model.quantization, adapter_dir=adapter_in,
+                                  via_peft=True).model
+            reloaded = D.teacher_forced(fresh, prefixes, thoughts, answers, T, trainer.toks)
+        except torch.OutOfMemoryError as e:  # say what holds the device, not only that it is full
+            raise torch.OutOfMemoryError(f"{e}\nverify-checkpoint: a second engine does not fit beside this "
+                                         f"process's engines after releasing their generation caches; what they hold "
+                                         f"(GB): {memory['after']}. Set gates.verify_checkpoint: false to skip the "
+                                         f"reload check on this device") from e
+        del fresh
         diffs = [float((a - b).abs().max()) for a, b in zip(live, reloaded)]
         identical = all(torch.equal(a, b) for a, b in zip(live, reloaded))
         report = {"adapter": adapter_in, "prompts": len(prefixes), "identical": identical, "max_abs_diff": max(diffs)}

@@ -128,13 +128,17 @@ def test_probe_checkpoint_and_bitwise_thoughts_on_a_healthy_run(tmp_path):
     adapter = f"{run_dir}/step-0000/adapter"
     pr = probe(run_dir, 0, adapter, s0["export"], s0["base"])
     assert pr["passed"] and pr["max_gap"] == 0.0
+    cfg = run_config(run_dir)
+    eng = runtime.trainer(cfg, s0["base"], s0["base"])
+    assert eng.prefix_cache is not None and eng.prefix_cache.stored_bytes > 0  # filled by the fresh step
     vc = verify_checkpoint(run_dir, adapter, s0["base"])
     assert vc["identical"] and vc["max_abs_diff"] == 0.0
+    # the end of the run released what only generation uses (room for the second engine on a GPU)
+    assert eng.prefix_cache.stored_bytes == 0 and eng._latent_graph is None and not eng.live
+    assert vc["memory"] == {"before": {}, "after": {}}  # the census counts CUDA memory only
     history = read_jsonl(f"{run_dir}/probe_history.jsonl")
     assert history[-1]["layers"]["differing"] == 0 and history[-1]["layers"]["compared"] > 0
     # bitwise thoughts: the same seed gives the same thought vectors bit for bit, in the same batch layout
-    cfg = run_config(run_dir)
-    eng = runtime.trainer(cfg, s0["base"], s0["base"])
     prefixes = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
     a = LT.latent_loop(eng.model, prefixes, 4, 0.05 * eng.scale, eng.scale, eng.toks, generator(0, "bitwise"))
     b = LT.latent_loop(eng.model, prefixes, 4, 0.05 * eng.scale, eng.scale, eng.toks, generator(0, "bitwise"))

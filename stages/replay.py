@@ -51,6 +51,7 @@ def _scored(cfg, step: int, rollouts_in: str, adapter_in: str, base_in: str, kee
     engine = runtime.trainer(cfg, base_in, base_in)
     engine.use_adapter(adapter_in)
     engine.live.clear()
+    runtime.release_prefix_caches()  # generation is over for this adapter: replay plans with that memory
     ids = list(range(len(turns.rows))) if turn_ids is None else list(turn_ids)
     sub = Turns(prefixes=[turns.prefixes[i] for i in ids], thoughts=[turns.thoughts[i] for i in ids],
                 answers=[turns.answers[i] for i in ids], rows=[turns.rows[i] for i in ids])

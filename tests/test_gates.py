@@ -130,7 +130,9 @@ def test_probe_checkpoint_and_bitwise_thoughts_on_a_healthy_run(tmp_path):
     assert pr["passed"] and pr["max_gap"] == 0.0
     cfg = run_config(run_dir)
     eng = runtime.trainer(cfg, s0["base"], s0["base"])
-    assert eng.prefix_cache is not None and eng.prefix_cache.stored_bytes > 0  # filled by the fresh step
+    pc = eng.prefix_cache
+    assert pc is not None and pc.hits > 0  # generation reused stored prefixes (each turn's earlier tokens) ...
+    assert pc.stored_bytes == 0  # ... and replay released them: nothing can be hit under the next adapter
     vc = verify_checkpoint(run_dir, adapter, s0["base"])
     assert vc["identical"] and vc["max_abs_diff"] == 0.0
     # the end of the run released what only generation uses (room for the second engine on a GPU)

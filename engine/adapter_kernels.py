@@ -27,19 +27,16 @@ expressions always run. The kernels also run under TRITON_INTERPRET=1 on a CPU (
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
+
+from engine.kernel_choice import choose, interpret, kernel_errors
 
 log = logging.getLogger("lgrpo.adapter")
 
 _STATE: dict = {"devices": set(), "launches": 0}
 _K: dict = {}
 BLOCK_R, BLOCK_C = 32, 128
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _kernels() -> dict:
@@ -52,7 +49,7 @@ def _kernels() -> dict:
 
 def _launch(kernel, grid, *args, **meta):
     _STATE["launches"] += 1  # counted (tests check the fused path really ran)
-    if _interpret():
+    if interpret():
         return kernel[grid](*args, **meta)
     return kernel[grid](*args, enable_fp_fusion=False, **meta)
 
@@ -137,21 +134,7 @@ def lora_grad_fused(g, s: float):
 
 def enabled(t: torch.Tensor) -> bool:
     """Use the fused kernels for t (a BF16 base output on a device where install qualified them)."""
-    return t.dtype == torch.bfloat16 and (t.is_cuda or _interpret()) and str(t.device) in _STATE["devices"]
-
-
-def _kernel_errors() -> tuple[type[BaseException], ...]:
-    """What a Triton kernel raises when it cannot be built or launched here (compile errors, out of resources,
-    driver errors); anything else is a bug and propagates."""
-    errs: list[type[BaseException]] = [RuntimeError, ImportError]
-    try:
-        from triton.compiler.errors import CompilationError
-        from triton.runtime.errors import OutOfResources
-
-        errs += [CompilationError, OutOfResources]
-    except ImportError:
-        pass
-    return tuple(errs)
+    return t.dtype == torch.bfloat16 and (t.is_cuda or interpret()) and str(t.device) in _STATE["devices"]
 
 
 def qualify(device, dtype=torch.bfloat16) -> dict:
@@ -187,7 +170,7 @@ def qualify(device, dtype=torch.bfloat16) -> dict:
             ok = torch.equal(lora_grad_torch(g, s), lora_grad_fused(g, s))
             res["cases"].append({"kernel": "backward-lora", "shape": [n_rows, n_cols], "bitwise": ok})
             res["passed"] &= ok
-    except _kernel_errors() as e:  # a kernel that does not build or run here is not qualified: the reason is logged
+    except kernel_errors() as e:  # a kernel that does not build or run here is not qualified: the reason is logged
         res.update(passed=False, error=f"{type(e).__name__}: {e}")
     return res
 
@@ -195,30 +178,9 @@ def qualify(device, dtype=torch.bfloat16) -> dict:
 def install(mode: str, device) -> str:
     """Choose the adapter epilogue for `device` in this process: torch (the PyTorch expressions) or auto (the fused
     kernels where they qualify; one log line says which runs and why). Returns "fused" or "torch"."""
-    if mode not in ("auto", "torch"):
-        raise ValueError(f"model.adapter_kernels={mode!r}: one of auto, torch")
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:  # "cuda" names the current device; tensors say "cuda:N"
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = str(device)
-    if mode == "torch" or device.type != "cuda":
-        _STATE["devices"].discard(key)
-        return "torch"
-    if key in _STATE["devices"]:
-        return "fused"
-    try:
-        import triton  # noqa: F401
-    except ImportError as e:
-        log.warning("adapter epilogue: Triton is not importable (%s); running the PyTorch expressions", e)
-        return "torch"
-    q = qualify(device)
-    if q["passed"]:
-        _STATE["devices"].add(key)
-        log.info("adapter epilogue: fused Triton kernels (qualified bitwise on %s)", key)
-        return "fused"
-    bad = q.get("error") or [c for c in q["cases"] if not c.get("bitwise", True)][:2]
-    log.warning("adapter epilogue: fused kernels not qualified on %s (%s); running the PyTorch expressions", key, bad)
-    return "torch"
+    return choose("model.adapter_kernels", "adapter epilogue", "the PyTorch expressions", mode, device,
+                  _STATE["devices"], qualify, lambda q: [c for c in q["cases"] if not c.get("bitwise", True)], log,
+                  "bitwise")
 
 
 def reset() -> None:

@@ -33,9 +33,10 @@ the same norms, which the bitwise engine-to-engine contracts (shared prefix cach
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
+
+from engine.kernel_choice import choose, interpret, kernel_errors
 
 log = logging.getLogger("lgrpo.norms")
 
@@ -43,10 +44,6 @@ _STATE: dict = {"devices": set(), "launches": 0, "orig": None}
 _K: dict = {}
 ROWS_PER_PROGRAM_ELEMS = 4096  # BR * BN per program (BR >= 1)
 MAX_WIDTH = 16384
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _kernels() -> dict:
@@ -65,7 +62,7 @@ def _launch(name: str, n_rows: int, n_cols: int, *args, **meta):
     BR = max(1, ROWS_PER_PROGRAM_ELEMS // BN)
     grid = (triton.cdiv(n_rows, BR),)
     kernel = _kernels()[name]
-    extra = {} if _interpret() else {"enable_fp_fusion": False, "num_warps": 8 if BN * BR >= 4096 else 4}
+    extra = {} if interpret() else {"enable_fp_fusion": False, "num_warps": 8 if BN * BR >= 4096 else 4}
     return kernel[grid](*args, BR=BR, BN=BN, **meta, **extra)
 
 
@@ -164,7 +161,7 @@ def _need(x, w) -> None:
 
 def enabled(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Use the fused kernels for x (BF16, on a device where install qualified them, weight frozen, no autocast)."""
-    return (x.dtype == torch.bfloat16 and (x.is_cuda or _interpret()) and str(x.device) in _STATE["devices"]
+    return (x.dtype == torch.bfloat16 and (x.is_cuda or interpret()) and str(x.device) in _STATE["devices"]
             and not w.requires_grad and x.shape[-1] <= MAX_WIDTH and not torch.is_autocast_enabled())
 
 
@@ -269,46 +266,17 @@ def qualify(device, dtype=torch.bfloat16) -> dict:
                     if not case["row_alone_bitwise"]:
                         case["passed"] = False
                         res["passed"] = False
-    except _kernel_errors() as e:  # a kernel that does not build or run here is not qualified: the reason is logged
+    except kernel_errors() as e:  # a kernel that does not build or run here is not qualified: the reason is logged
         res.update(passed=False, error=f"{type(e).__name__}: {e}")
     return res
-
-
-def _kernel_errors() -> tuple[type[BaseException], ...]:
-    from engine.adapter_kernels import _kernel_errors as errs
-
-    return errs()
 
 
 def install(mode: str, device) -> str:
     """Choose the RMSNorm implementation for `device` in this process: torch (transformers' expressions) or auto
     (the fused kernels where they qualify; one log line says which runs and why). Returns "fused" or "torch"."""
-    if mode not in ("auto", "torch"):
-        raise ValueError(f"model.norm_kernels={mode!r}: one of auto, torch")
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:  # "cuda" names the current device; tensors say "cuda:N"
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = str(device)
-    if mode == "torch" or (device.type != "cuda" and not _interpret()):
-        _STATE["devices"].discard(key)
-        return "torch"
-    if key in _STATE["devices"]:
-        return "fused"
-    try:
-        import triton  # noqa: F401
-    except ImportError as e:
-        log.warning("RMSNorm: Triton is not importable (%s); running transformers' expressions", e)
-        return "torch"
-    q = qualify(device)
-    if q["passed"]:
-        _patch()
-        _STATE["devices"].add(key)
-        log.info("RMSNorm: fused Triton kernels (qualified on %s against FP64, within %s of PyTorch's error)", key,
-                 TOLERANCE)
-        return "fused"
-    bad = q.get("error") or [c for c in q["cases"] if not c.get("passed", True)][:2]
-    log.warning("RMSNorm: fused kernels not qualified on %s (%s); running transformers' expressions", key, bad)
-    return "torch"
+    return choose("model.norm_kernels", "RMSNorm", "transformers' expressions", mode, device, _STATE["devices"],
+                  qualify, lambda q: [c for c in q["cases"] if not c.get("passed", True)], log,
+                  f"against FP64, within {TOLERANCE} of PyTorch's error", allow_interpreter=True, on_pass=_patch)
 
 
 def reset() -> None:

@@ -4,26 +4,11 @@ The GPU qualifies the same kernels at start-up (engine.runtime -> adapter_kernel
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.triton_interpreter import run_interpreted as _interpreted
 
 pytest.importorskip("triton")
-
-
-def _interpreted(code: str) -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_every_kernel_equals_the_pytorch_expressions_bit_for_bit():

@@ -4,25 +4,9 @@ qualifies the same kernels at start-up (engine.runtime -> norm_kernels.install) 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _interpreted(code: str) -> dict:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+from tests.triton_interpreter import run_interpreted as _interpreted
 
 
 def test_both_norms_forward_and_backward_are_as_accurate_as_transformers_against_fp64():

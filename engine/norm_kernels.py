@@ -73,21 +73,31 @@ def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return t2 if t2.stride(1) == 1 else t2.contiguous()
 
 
-# -- the PyTorch references: transformers' expressions (what runs on the CPU and where the kernels do not qualify) --
+# -- the references: transformers' own forwards (what runs on the CPU and where the kernels do not qualify) ---------
+
+def _reference_forwards():
+    """(Qwen3_5RMSNorm.forward, Qwen3_5RMSNormGated.forward) as transformers ships them, patched or not."""
+    if _STATE["orig"] is not None:
+        return _STATE["orig"][1:]
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
+
+    return mq.Qwen3_5RMSNorm.forward, mq.Qwen3_5RMSNormGated.forward
+
+
+def _module(cls_name: str, w: torch.Tensor, eps: float):
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
+
+    mod = getattr(mq, cls_name)(w.shape[0], eps=eps)
+    mod.weight = torch.nn.Parameter(w, requires_grad=False)
+    return mod
+
 
 def rms_torch(x, w, eps: float):
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * (1.0 + w.float())).type_as(x)
+    return _reference_forwards()[0](_module("Qwen3_5RMSNorm", w, eps), x)
 
 
 def gated_torch(x, z, w, eps: float):
-    dt = x.dtype
-    xf = x.to(torch.float32)
-    h = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    h = w * h.to(dt)
-    h = h * torch.nn.functional.silu(z.to(torch.float32))
-    return h.to(dt)
+    return _reference_forwards()[1](_module("Qwen3_5RMSNormGated", w, eps), x, z)
 
 
 # -- the fused side ------------------------------------------------------------------------------------------------------

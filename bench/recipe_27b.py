@@ -122,6 +122,9 @@ def main(argv=None) -> dict:
                    help="static-cache attention: grouped (no repeat_kv copies) or the model's own (sdpa)")
     p.add_argument("--profile", action="store_true",
                    help="also: latent replay ms/step with each attention, and a kernel profile of eager static steps")
+    p.add_argument("--kernels", choices=["auto", "torch"], default="auto",
+                   help="GDN, adapter-epilogue and RMSNorm kernels as the trainer chooses them (engine.runtime.build: "
+                        "qualified fused kernels where they pass, one log line otherwise), or PyTorch everywhere")
     p.add_argument("--out", default=None)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -158,6 +161,12 @@ def main(argv=None) -> dict:
 
     # -- models ------------------------------------------------------------------------------------------------------
     base, res["build_s"] = timed(dev, lambda: build_random(arch, vocab, dev, dtype, a.seed))
+    from engine import adapter_kernels, gdn, norm_kernels
+
+    # the choices engine.runtime.build makes, before the first forward and before any graph is captured
+    res["kernels"] = {"gdn": gdn.install(a.kernels, base.config, dev),
+                      "adapter_epilogue": adapter_kernels.install(a.kernels, dev),
+                      "rmsnorm": norm_kernels.install(a.kernels, dev)}
     res["params"] = sum(p_.numel() for p_ in base.parameters())
     acfg = cfg27.adapter
     if a.base == "nf4":
@@ -341,8 +350,10 @@ def main(argv=None) -> dict:
     lc["max_abs_logprob_diff"] = lc["final_prefix"]["max_abs_logprob_diff"]
     res["logits_check"] = lc
 
-    if a.profile and graphed:
-        res["profile"] = profile_section(a, trainer, prefixes, history, tcache, capacity, K, sigma, scale, toks, dev)
+    if a.profile:  # on the CPU (--small) only the decode profile's flow runs (no CUDA kernels to list)
+        res["profile"] = (profile_section(a, trainer, prefixes, history, tcache, capacity, K, sigma, scale, toks, dev)
+                          if graphed else {})
+        res["profile"]["decode"] = profile_decode(a, sampler, prefixes, history, scache, capacity, K, toks, dev)
     res["wall_s"] = round(time.perf_counter() - t_start, 1)
     if graphed:
         res["gpu_peak_gb"] = round(torch.cuda.max_memory_allocated(dev) / 1e9, 2)
@@ -383,23 +394,76 @@ def profile_section(a, trainer, prefixes, history, tcache, capacity, K, sigma, s
         del lp
     ev = CG.GraphedLatentLoop(trainer, capacity=capacity, graphed=False, attention=a.attention)
     ev.run_rows(rs, 2, sigma, scale, toks, g)
-    steps = 3
     with ev._adapter(), torch.no_grad():
-        ev._step()
-        torch.cuda.synchronize(dev)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                ev._step()
-            torch.cuda.synchronize(dev)
+        out.update(kernel_profile(ev._step, dev))
+    return out
+
+
+def profile_decode(a, sampler, prefixes, history, scache, capacity, K, toks, dev) -> dict:
+    """A kernel profile of eager static decode steps of the sampler (the answers' per-token step), with the graphed
+    replay's ms/token beside it: the gap between the two is what the graph does not remove."""
+    import torch
+
+    from engine import cuda_graphs as CG
+    from engine import prefix_cache as PC
+
+    B = len(prefixes)
+    bounds = [[len(h[i]) for h in history] for i in range(B)]
+    d = sampler.get_input_embeddings().weight.shape[1]
+    z = torch.randn(B, K, d, generator=torch.Generator().manual_seed(3)).to(dev) * 0.02
+    out = {}
+    for graphed in ((True, False) if dev.type == "cuda" else (False,)):
+        dec = CG.GraphedDecoder(sampler, capacity=capacity, graphed=graphed, profile=True, attention=a.attention)
+        with dec._adapter(), torch.no_grad():
+            rs = PC.prefill_rows(sampler, prefixes, scache, bounds)
+            key = dec._start_rows(rs, z, 32, 1.0, toks)
+            if graphed:
+                for _ in range(3):  # warm-up, capture, one replay
+                    dec._run_step(key)
+                dec.reset_stats()
+                for _ in range(8):
+                    dec._run_step(key)
+                st = dec.stats()
+                out["graphed_replay_ms"] = round(1e3 * st["times_s"]["replay"] / st["counts"]["replay"], 2)
+            else:
+                out.update(kernel_profile(dec._step, dev))
+        del dec
+    return out
+
+
+GEMM_NAMES = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "sm90", "splitk", "dequantize", "kgemm")
+
+
+def kernel_profile(step, dev, steps: int = 3) -> dict:
+    """Kernels of `steps` eager calls of step() (one warm-up call first): count, ms of kernel time per step, the
+    top 40 by time, and totals by kind (matrix products and NF4 dequantization / everything else)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    sync(dev)
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync(dev)
+    eager_ms = (time.perf_counter() - t) * 1e3 / steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        sync(dev)
     kern = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.self_device_time_total for e in kern)
     calls = sum(e.count for e in kern)
     top = sorted(kern, key=lambda e: -e.self_device_time_total)[:40]
-    out["kernels_per_step"] = round(calls / steps)
-    out["kernel_ms_per_step"] = round(total / 1e3 / steps, 2)
-    out["top_kernels"] = [{"name": e.key, "ms_per_step": round(e.self_device_time_total / 1e3 / steps, 3),
-                           "calls_per_step": e.count / steps} for e in top]
-    return out
+    gemm = [e for e in kern if any(n in e.key.lower() for n in GEMM_NAMES)]
+    return {"eager_ms_per_step": round(eager_ms, 2), "kernels_per_step": round(calls / steps),
+            "kernel_ms_per_step": round(total / 1e3 / steps, 2),
+            "by_kind_ms_per_step": {"matmul_and_dequant": round(sum(e.self_device_time_total for e in gemm) / 1e3 / steps, 2),
+                                    "other": round(sum(e.self_device_time_total for e in kern if e not in gemm) / 1e3 / steps, 2)},
+            "by_kind_calls_per_step": {"matmul_and_dequant": round(sum(e.count for e in gemm) / steps),
+                                       "other": round(sum(e.count for e in kern if e not in gemm) / steps)},
+            "top_kernels": [{"name": e.key, "ms_per_step": round(e.self_device_time_total / 1e3 / steps, 3),
+                             "calls_per_step": e.count / steps} for e in top]}
 
 
 def print_table(res: dict) -> None:
@@ -429,15 +493,25 @@ def print_table(res: dict) -> None:
         print(f"  NF4 trainer vs BF16 sampler, same prefix: {lc['trainer_vs_sampler']}")
     if "profile" in res:
         pr = res["profile"]
-        print(f"profile: latent replay ms/step by attention {pr['latent_replay_ms_by_attention']}; eager static step: "
-              f"{pr['kernels_per_step']} kernels, {pr['kernel_ms_per_step']} ms of kernels")
-        for k in pr["top_kernels"][:15]:
+        if "top_kernels" in pr:
+            print(f"profile: latent replay ms/step by attention {pr['latent_replay_ms_by_attention']}; eager static "
+                  f"step: {pr['eager_ms_per_step']} ms wall, {pr['kernels_per_step']} kernels, {pr['kernel_ms_per_step']} "
+                  f"ms of kernels, by kind {pr['by_kind_ms_per_step']} ms, {pr['by_kind_calls_per_step']} calls")
+        for k in pr.get("top_kernels", [])[:15]:
             print(f"  {k['ms_per_step']:>8.3f} ms {k['calls_per_step']:>6.0f}x  {k['name'][:100]}")
+        if "decode" in pr:
+            dp = pr["decode"]
+            print(f"profile: decode graphed replay {dp.get('graphed_replay_ms')} ms/token; eager static step "
+                  f"{dp['eager_ms_per_step']} ms wall, {dp['kernels_per_step']} kernels, {dp['kernel_ms_per_step']} ms "
+                  f"of kernels, by kind {dp['by_kind_ms_per_step']} ms, {dp['by_kind_calls_per_step']} calls")
+            for k in dp["top_kernels"][:20]:
+                print(f"  {k['ms_per_step']:>8.3f} ms {k['calls_per_step']:>6.0f}x  {k['name'][:100]}")
     gs = res["generation_s_per_turn"]
     print(f"generation per model turn: first {gs['first']} s, later mean {gs['later_mean']} s (target <= 1.5 s)")
     if "export_equal" in res:
         print(f"NF4: {res['quantized_layers']} layers quantized in {res['quantize_s']:.1f} s; BF16 export equal to the "
               f"trainer's dequantized weights: {res['export_equal']}")
+    print("kernels:", res["kernels"])
     print("targets:", ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in res["targets"].items()))
 
 

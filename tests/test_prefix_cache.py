@@ -109,6 +109,32 @@ def test_bytes_are_exact_and_lru_evicts_leaves_first(model):
     assert len(pc) == 0 and pc.stored_bytes == 0 and pc.lookup(x) == (0, None)
 
 
+def test_clear_releases_the_stored_tensors_without_the_garbage_collector(model):
+    """Replay's preflight counts what is allocated right after release_prefix_caches(): a cleared tree must not wait
+    for a cyclic collection (nodes and parents point at each other) to give its tensors back."""
+    import gc
+    import weakref
+
+    g = torch.Generator().manual_seed(5)
+    a, b = _rand(g, 12), _rand(g, 5)
+    pc = PC.PrefixCache(10**9)
+    PC.prefill_rows(model, [a, a + b], pc)
+    nodes, stack = [], [pc._root]
+    while stack:
+        n = stack.pop()
+        nodes.append(n)
+        stack.extend(k for kids in n.children.values() for k in kids)
+    refs = [weakref.ref(t) for n in nodes if n.layers is not None for pair in n.layers for t in pair]
+    assert len(refs) > 0 and all(r() is not None for r in refs)
+    del nodes, stack, n
+    gc.disable()
+    try:
+        pc.clear()
+        assert all(r() is None for r in refs), "cleared entries still allocated until a gc.collect()"
+    finally:
+        gc.enable()
+
+
 def test_put_shares_kv_only_with_the_prefix_it_continued(model):
     g = torch.Generator().manual_seed(4)
     a, b = _rand(g, 12), _rand(g, 5)

@@ -146,6 +146,13 @@ class LatentConfig(_Strict):
 
     max_latent_steps: int = Field(4, ge=0, le=64)
     sigma: float = Field(0.05, gt=0, description="noise std, relative to the RMS of the embedding table")
+    engine: Literal["auto", "trainer", "sampler"] = Field(
+        "auto", description="the model that samples the thoughts: trainer (the policy as replay holds it, NF4 when "
+                            "quantized) or sampler (the hf sampler's BF16 export of the same weights and adapter: one "
+                            "prefill per row serves thoughts and answers, and single-token steps run cuBLAS BF16 "
+                            "products instead of bitsandbytes' 4-bit kernels). auto: sampler when the base is NF4 "
+                            "and the sampler is hf, else trainer (on an unquantized base both compute the same bits). "
+                            "Replay scores the thoughts on the trainer either way")
 
 
 class SamplerConfig(_Strict):
@@ -429,6 +436,9 @@ class RunConfig(_Strict):
         if self.model.quantization == "nf4" and self.device != "cuda":
             raise ValueError("model.quantization=nf4 runs through bitsandbytes' CUDA kernels: set device: cuda "
                              "(the CPU path keeps a bf16 or fp32 base)")
+        if self.latent.engine == "sampler" and self.sampler.kind != "hf":
+            raise ValueError(f"latent.engine=sampler runs the latent loop on the hf sampler's model; sampler.kind="
+                             f"{self.sampler.kind!r} has none: set latent.engine: trainer (or auto)")
         if self.model.attention_fp32 and self.device == "cuda" and self.model.gdn_kernels != "torch":
             raise ValueError(
                 "model.attention_fp32 gates the thought-density gap, which needs the same arithmetic in the latent "

@@ -27,6 +27,9 @@ def set_threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
+_OWN = object()  # Engine.thoughts: "this engine's own prefix cache"
+
+
 @dataclass
 class Engine:
     """One model (base + adapter) with the adapter it currently holds, and its generation fast path.
@@ -90,25 +93,26 @@ class Engine:
 
     # -- the trainer role: latent thoughts --------------------------------------------------------------------------
     def thoughts(self, prefixes: list[list[int]], boundaries, K: int, sigma: float, seed: int,
-                 times: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 times: dict | None = None, cache=_OWN) -> tuple[torch.Tensor, torch.Tensor]:
         """K latent thoughts and their log-densities per row, on this engine's fastest path: CUDA-graph replay on a
         static cache after a prefix-cached per-row prefill (GPU), the prefix-cached loop (CPU), or the plain batched
         loop (generation.prefix_cache off). Same generator use on every path (one (B, d) block per thought, row
         order, drawn from a CPU generator seeded with `seed`). times: the graphed path adds its prefill seconds under
-        "latent_prefill_s"."""
+        "latent_prefill_s". cache: the prefix cache to prefill through (default this engine's own; the hf sampler
+        sampling thoughts passes the one its answers use, answer_cache(trainer))."""
         from engine import prefix_cache as PC
 
+        cache = self.prefix_cache if cache is _OWN else cache
         gen = generator_for(seed)  # a list: one generator per row (engine/rng.py)
         with torch.no_grad():
             if self.graphs:
                 loop = self.latent_graph()
                 with loop.adapter_frozen():  # the DoRA scale once per adapter version, not once per row and chunk
-                    rows = _prefill_timed(self.model, prefixes, self.prefix_cache, boundaries, times,
-                                          "latent_prefill_s")
+                    rows = _prefill_timed(self.model, prefixes, cache, boundaries, times, "latent_prefill_s")
                 return loop.run_rows(rows, K, sigma, self.scale, self.toks, gen)
-            if self.prefix_cache is not None:
-                return PC.latent_loop_cached(self.model, prefixes, K, sigma, self.scale, self.toks, gen,
-                                             self.prefix_cache, boundaries)
+            if cache is not None:
+                return PC.latent_loop_cached(self.model, prefixes, K, sigma, self.scale, self.toks, gen, cache,
+                                             boundaries)
             return LT.latent_loop(self.model, prefixes, K, sigma, self.scale, self.toks, gen)
 
     # -- the trainer role: replay scores ---------------------------------------------------------------------------
@@ -352,6 +356,25 @@ def sampler(cfg, export_dir: str | Path, tok_dir: str | Path):
             _ENGINES[key].prefix_cache = _new_prefix_cache(cfg)
             _ENGINES[key].same_arithmetic_as_trainer = cfg.model.quantization == "none"
     return _ENGINES[key]
+
+
+def latent_engine(cfg, trainer: Engine, sampler) -> Engine:
+    """The engine whose model samples the thoughts (`latent.engine`). The hf sampler qualifies only while it holds the
+    trainer's adapter: its base is the trainer's (unquantized) or the BF16 export of the trainer's dequantized NF4
+    weights, checked bit for bit at export. Thoughts and their recorded log-densities then come from the sampler's
+    arithmetic (cuBLAS BF16 products where the trainer runs bitsandbytes' 4-bit kernels), replay re-scores them on the
+    trainer as for any sampler, and one prefix cache serves the latent loop and the answers."""
+    choice = cfg.latent.engine
+    if choice == "auto":
+        choice = "sampler" if cfg.model.quantization == "nf4" and isinstance(sampler, Engine) else "trainer"
+    if choice == "trainer":
+        return trainer
+    if not isinstance(sampler, Engine):
+        raise ValueError(f"latent.engine=sampler needs the hf sampler (sampler.kind: hf), not {type(sampler).__name__}")
+    if sampler.adapter_digest != trainer.adapter_digest:
+        raise RuntimeError(f"latent.engine=sampler: the sampler holds adapter {sampler.adapter_digest}, the trainer "
+                           f"{trainer.adapter_digest}; load the same adapter into both before sampling thoughts")
+    return sampler
 
 
 def clear() -> None:

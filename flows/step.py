@@ -218,6 +218,9 @@ def _generate_on_workers(run_dir: str, step: int, turn: int, state: str, adapter
     for k in keys_sum:
         if any(k in r for r in results):
             combined[k] = sum(r.get(k, 0) for r in results)
+    engines = {r["latent_engine"] for r in results if "latent_engine" in r}
+    if engines:  # latent.engine resolves the same way on every worker
+        combined["latent_engine"] = "/".join(sorted(engines))
     combined["workers"] = [{k: r[k] for k in ("worker", "rows", "wall_s", "latent_s", "answers_s") if k in r}
                            for r in results]
     return combined, gather
@@ -287,9 +290,9 @@ def publish(run_dir: str, step: int, kind: str, summaries: list[dict]) -> dict:
         n_comp = sum(s["prefix_computed_tokens"] for s in gens)
         metrics.update(prefix_input_tokens=n_in, prefix_computed_tokens=n_comp,
                        prefix_computed_share=round(n_comp / max(1, n_in), 4))
-    turn_keys = ("turn", "rows", "prefix_tokens", "answer_tokens", "latent_prefill_s", "latent_s", "answers_prefill_s",
-                 "answers_s", "wall_s", "latent_graph_captures", "answers_graph_captures", "latent_graph_setup_s",
-                 "answers_graph_setup_s", "workers")
+    turn_keys = ("turn", "rows", "latent_engine", "prefix_tokens", "answer_tokens", "latent_prefill_s", "latent_s",
+                 "answers_prefill_s", "answers_s", "wall_s", "latent_graph_captures", "answers_graph_captures",
+                 "latent_graph_setup_s", "answers_graph_setup_s", "workers")
     turns = [{k: s[k] for k in turn_keys if k in s} for s in summaries
              if s["stage"] == "generate-turn" and not s.get("cached")]
     if turns:  # per model turn: where the generate-turn seconds went (bench/step_27b.py prints them)

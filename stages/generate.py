@@ -1,8 +1,9 @@
 """sample-tasks and generate-turn: the model's side of a rollout round.
 
-generate-turn, for every active row: the trainer's latent loop samples K thoughts (z = mu + sigma*eps, seeded per
-(run seed, step, turn)) with their log-densities; the sampler writes the answer from the prompt embeddings
-prefix ⊕ thoughts ⊕ answer-open and returns its processed log-probs. Output: turn-TT.arrow.
+generate-turn, for every active row: the policy's latent loop samples K thoughts (z = mu + sigma*eps, seeded per
+(run seed, step, turn, row)) with their log-densities -- on the trainer's model, or (`latent.engine`; auto for an NF4
+base) on the hf sampler's BF16 export of the same weights and adapter; the sampler writes the answer from the prompt
+embeddings prefix ⊕ thoughts ⊕ answer-open and returns its processed log-probs. Output: turn-TT.arrow.
 """
 
 from __future__ import annotations
@@ -81,17 +82,21 @@ def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in:
         before = [(c.input_tokens, c.computed_tokens) for c in caches]
         K = cfg.latent.max_latent_steps
         sigma = cfg.latent.sigma * trainer.scale
+        thinker = runtime.latent_engine(cfg, trainer, sampler)  # latent.engine: the trainer's model or the export's
+        think_cache = sampler.answer_cache(trainer) if thinker is sampler else trainer.prefix_cache  # one per model
+        out["latent_engine"] = "sampler" if thinker is sampler and sampler is not trainer else "trainer"
         with timer(out, "latent_s"):
             # one generator per row, seeded by (run seed, step, turn, row): a row's thoughts and answer are the same
             # whatever rows share its batch or worker (engine/rng.py)
-            z, logq = trainer.thoughts(prefixes, boundaries, K, sigma,
-                                       [seed_for(cfg.seed, step, turn, "latent", i) for i in active], times=out)
+            z, logq = thinker.thoughts(prefixes, boundaries, K, sigma,
+                                       [seed_for(cfg.seed, step, turn, "latent", i) for i in active], times=out,
+                                       cache=think_cache)
         with timer(out, "answers_s"):
             ids, lps = sampler.answers(prefixes, boundaries, z, cfg.sampler.max_answer_tokens, cfg.sampler.temperature,
                                        [seed_for(cfg.seed, step, turn, "sampler", i) for i in active], limits, trainer,
                                        times=out)
         z, logq = z.cpu(), logq.cpu()
-        for role, stats in (("latent", trainer.graph_stats("latent")), ("answers", sampler.graph_stats("answers"))):
+        for role, stats in (("latent", thinker.graph_stats("latent")), ("answers", sampler.graph_stats("answers"))):
             if stats:  # CUDA graphs: captures so far in this process and their warm-up + capture seconds
                 out[f"{role}_graph_captures"], out[f"{role}_graph_setup_s"] = stats["captures"], stats["setup_s"]
         if caches:  # prefix tokens the engines asked for vs ran through a model (both engines, this turn)

@@ -83,7 +83,12 @@ def test_fresh_steps_on_cuda(tmp_path, variant):
     steps.append(fresh_step(run_dir, 1, f"{run_dir}/step-0000/adapter"))
     trainer = runtime.trainer(cfg, prep["base"], prep["base"])
     assert trainer.device.type == "cuda" and trainer.graphs
-    counts = trainer.latent_graph().stats()["counts"]
+    sampler = runtime.sampler(cfg, steps[0]["export"], prep["base"])
+    thinker = runtime.latent_engine(cfg, trainer, sampler)  # latent.engine auto: the BF16 export's model for NF4
+    assert (thinker is sampler) == (cfg.model.quantization == "nf4")
+    assert {g["latent_engine"] for s in steps for g in s["generate"]} == {
+        "sampler" if cfg.model.quantization == "nf4" else "trainer"}
+    counts = thinker.latent_graph().stats()["counts"]
     figures = {"steps": []}
     for s in steps:
         rp, op = s["replay"], s["optimize"]
@@ -101,7 +106,7 @@ def test_fresh_steps_on_cuda(tmp_path, variant):
             "latent_s": sum(g["latent_s"] for g in s["generate"]),
             "answers_s": sum(g["answers_s"] for g in s["generate"])})
     figures["latent_graph_counts"] = counts
-    dec = runtime.sampler(cfg, steps[0]["export"], prep["base"]).decoder_graph().stats()["counts"]
+    dec = sampler.decoder_graph().stats()["counts"]
     figures["decoder_graph_counts"] = dec
     _report(variant, figures)
     assert counts.get("replay", 0) > 0 and dec.get("replay", 0) > 0, (counts, dec)

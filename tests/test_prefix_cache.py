@@ -507,3 +507,49 @@ def test_turn_boundaries_bitwise_on_cuda_graphed():
     assert loop.counts.get("replay", 0) > 0
     for z, q in ((z_none, q_none), (z_lost, q_lost), (z_eager, q_eager)):
         assert torch.equal(z_warm, z) and torch.equal(q_warm, q)
+
+
+def test_latent_engine_sampler_gives_the_trainers_thoughts_on_an_unquantized_base(tmp_path):
+    """latent.engine: sampler runs the latent loop on the hf sampler's model. On an unquantized base that model holds
+    the trainer's weights in the trainer's dtype, so thoughts, densities and answers must equal the trainer's bit for
+    bit, through the one prefix cache both engines share (the same tokens computed). auto keeps the trainer there;
+    a sampler holding another adapter is refused."""
+    import numpy as np
+
+    from artifacts import read_json, read_table
+    from engine import runtime
+    from stages.context import run_config
+    from stages.export import export_base
+    from stages.generate import generate_turn, sample_tasks
+    from tests.conftest import make_run
+
+    outs = {}
+    for engine in ("trainer", "sampler"):
+        run_dir = make_run(tmp_path / engine, **{"latent.engine": engine})
+        prep = read_json(f"{run_dir}/prepared.json")
+        export = export_base(run_dir, prep["base"])["path"]
+        state = sample_tasks(run_dir, 0, prep["base"])["path"]
+        runtime.clear()
+        outs[engine] = generate_turn(run_dir, 0, 0, state, prep["adapter_init"], export, prep["base"])
+        assert outs[engine]["latent_engine"] == engine
+    a, b = read_table(outs["trainer"]["path"]), read_table(outs["sampler"]["path"])
+    for col in ("thoughts", "thought_logq", "answer_ids", "sampler_logps"):
+        for x, y in zip(a.column(col).to_pylist(), b.column(col).to_pylist()):
+            assert np.array_equal(np.asarray(x, dtype=np.float32), np.asarray(y, dtype=np.float32)), col
+    for k in ("prefix_input_tokens", "prefix_computed_tokens"):
+        assert outs["trainer"][k] == outs["sampler"][k], k
+
+    cfg = run_config(run_dir).with_overrides(**{"latent.engine": "auto"})
+    tr = runtime.trainer(cfg, prep["base"], prep["base"])
+    sm = runtime.sampler(cfg, export, prep["base"])
+    assert runtime.latent_engine(cfg, tr, sm) is tr  # auto: the trainer unless the base is NF4
+    sm.adapter_digest = "another"
+    with pytest.raises(RuntimeError, match="load the same adapter"):
+        runtime.latent_engine(cfg.with_overrides(**{"latent.engine": "sampler"}), tr, sm)
+    runtime.clear()
+
+
+def test_latent_engine_sampler_needs_the_hf_sampler():
+    with pytest.raises(ValueError, match="latent.engine: trainer"):
+        load_config("tiny").with_overrides(**{"latent.engine": "sampler", "sampler.kind": "vllm",
+                                              "model.dtype": "bfloat16"})

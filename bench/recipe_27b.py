@@ -5,9 +5,10 @@
     python bench/recipe_27b.py --small ...      # the tiny arch on the CPU (eager static path): checks the flow
 
 One group of `--rows` rollouts shares a random prompt c_0; every turn, per row:
-    prefill  trainer: engine.prefix_cache.prefill_rows (each row alone from its longest stored prefix, turn
-             boundaries) -- and the sampler's prefill of the same prefix (same cache when trainer and sampler
-             hold the same weights, i.e. the BF16 base; its own cache for NF4, whose sampler is the BF16 export)
+    prefill  the latent loop's model (--latent-engine, as configs' latent.engine: the sampler's BF16 export for
+             NF4, the trainer otherwise): engine.prefix_cache.prefill_rows (each row alone from its longest stored
+             prefix, turn boundaries) -- and the sampler's prefill of the same prefix (the same cache when the
+             latent loop runs on the sampler or both hold the same weights: then it only restores the rows)
     latent   GraphedLatentLoop.run_rows: <think> + K-1 thoughts on the static cache, CUDA-graph replay
     answers  GraphedDecoder.sample_rows: <think> ⊕ z ⊕ </think> chunk, then exactly --answer-tokens tokens
     gym      c_{t+1} = c_t ⊕ answer ⊕ --tool-tokens random tool-result ids (no tool runs: ~0 s)
@@ -125,6 +126,9 @@ def main(argv=None) -> dict:
     p.add_argument("--kernels", choices=["auto", "torch"], default="auto",
                    help="GDN, adapter-epilogue and RMSNorm kernels as the trainer chooses them (engine.runtime.build: "
                         "qualified fused kernels where they pass, one log line otherwise), or PyTorch everywhere")
+    p.add_argument("--latent-engine", choices=["auto", "trainer", "sampler"], default="auto",
+                   help="the model the latent loop runs on (configs latent.engine): auto = the sampler's BF16 export "
+                        "for --base nf4 (one prefill per row then serves thoughts and answers), the trainer for bf16")
     p.add_argument("--out", default=None)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -187,15 +191,18 @@ def main(argv=None) -> dict:
     res["adapter_s"] = round(time.perf_counter() - t_start - res["build_s"], 2)
     if graphed:
         res["gpu_mem_models_gb"] = round(torch.cuda.memory_allocated(dev) / 1e9, 2)
+    engine = a.latent_engine if a.latent_engine != "auto" else ("sampler" if a.base == "nf4" else "trainer")
+    thinker = sampler if engine == "sampler" else trainer  # the latent loop's model
+    res["latent_engine"] = engine
     scale = M.embed_scale(trainer)
     sigma = cfg27.latent.sigma * scale
     K, A, T, B = a.thoughts, a.answer_tokens, a.tool_tokens, a.rows
     capacity = a.prompt_tokens + a.turns * (A + T) + K + 2 + A + 8
-    loop = CG.GraphedLatentLoop(trainer, capacity=capacity, graphed=graphed, profile=True, attention=a.attention)
+    loop = CG.GraphedLatentLoop(thinker, capacity=capacity, graphed=graphed, profile=True, attention=a.attention)
     dec = CG.GraphedDecoder(sampler, capacity=capacity, graphed=graphed, profile=True, attention=a.attention)
-    tcache = PC.PrefixCache(40 << 30)
-    scache = tcache if sampler is trainer else PC.PrefixCache(40 << 30)
-    res["floor_ms"] = {"trainer": round(weight_bytes(trainer) / HBM_BYTES_PER_S * 1e3, 2),
+    scache = PC.PrefixCache(40 << 30)
+    tcache = scache if thinker is sampler else PC.PrefixCache(40 << 30)  # the latent loop's model's cache
+    res["floor_ms"] = {"trainer": round(weight_bytes(thinker) / HBM_BYTES_PER_S * 1e3, 2),
                        "sampler": round(weight_bytes(sampler) / HBM_BYTES_PER_S * 1e3, 2)}
 
     # -- the episode -------------------------------------------------------------------------------------------------
@@ -212,15 +219,15 @@ def main(argv=None) -> dict:
         row = {"turn": t, "prefix_tokens": [len(x) for x in prefixes]}
         tc0 = (tcache.input_tokens, tcache.computed_tokens)
         with loop.frozen:
-            rs, row["prefill_trainer_s"] = timed(dev, lambda: PC.prefill_rows(trainer, prefixes, tcache, bounds))
-        row["trainer_computed_tokens"] = tcache.computed_tokens - tc0[1]
-        row["trainer_input_tokens"] = tcache.input_tokens - tc0[0]
+            rs, row["prefill_latent_s"] = timed(dev, lambda: PC.prefill_rows(thinker, prefixes, tcache, bounds))
+        row["latent_computed_tokens"] = tcache.computed_tokens - tc0[1]
+        row["latent_input_tokens"] = tcache.input_tokens - tc0[0]
         loop.reset_stats()
         (z, lq), row["latent_s"] = timed(dev, lambda: loop.run_rows(rs, K, sigma, scale, toks, gen_lat))
         row["latent_steps"] = dict(loop.stats()["counts"])
         row["latent_times_s"] = {k: round(v, 4) for k, v in loop.stats()["times_s"].items()}
         with dec.frozen:
-            rs2, row["prefill_sampler_s"] = timed(dev, lambda: PC.prefill_rows(sampler, prefixes, scache, bounds))
+            rs2, row["prefill_answers_s"] = timed(dev, lambda: PC.prefill_rows(sampler, prefixes, scache, bounds))
         dec.reset_stats()
         (ids, lps), row["answers_s"] = timed(dev, lambda: dec.sample_rows(rs2, z, A, 1.0, toks, gen_smp,
                                                                           limits=[A] * B))
@@ -234,11 +241,11 @@ def main(argv=None) -> dict:
                 ans = ids[i] + rnd(A - len(ids[i]))  # fixed answer length even if a row hit <|im_end|>
                 prefixes[i] = prefixes[i] + ans + rnd(T)
         _, row["gym_s"] = timed(dev, gym)
-        row["prefill_s"] = row["prefill_trainer_s"] + row["prefill_sampler_s"]
+        row["prefill_s"] = row["prefill_latent_s"] + row["prefill_answers_s"]
         row["generation_s"] = row["prefill_s"] + row["latent_s"] + row["answers_s"]
         turns.append(row)
-        print(f"turn {t}: prefill {row['prefill_s']:.2f}s (trainer computed {row['trainer_computed_tokens']}/"
-              f"{row['trainer_input_tokens']} tok)  latent {row['latent_s']:.3f}s  answers {row['answers_s']:.3f}s  "
+        print(f"turn {t}: prefill {row['prefill_s']:.2f}s (latent model computed {row['latent_computed_tokens']}/"
+              f"{row['latent_input_tokens']} tok)  latent {row['latent_s']:.3f}s  answers {row['answers_s']:.3f}s  "
               f"gym {row['gym_s']:.4f}s  -> generation {row['generation_s']:.2f}s", flush=True)
     res["turns"] = turns
     res["phases_s"] = {k: round(sum(r[k] for r in turns), 3) for k in ("prefill_s", "latent_s", "answers_s", "gym_s")}
@@ -254,7 +261,7 @@ def main(argv=None) -> dict:
     dcd = {"graphed_replay": None, "eager_static": None, "graphed_replay_cpu_generator": None}
     bounds = [[len(h[i]) for h in history] for i in range(B)]
     with loop.frozen:
-        rs = PC.prefill_rows(trainer, prefixes, tcache, bounds)
+        rs = PC.prefill_rows(thinker, prefixes, tcache, bounds)
     loop.reset_stats()
     loop.run_rows(rs, K, sigma, scale, toks, gen_lat)
     st = loop.stats()
@@ -262,7 +269,7 @@ def main(argv=None) -> dict:
     lat["graphed_replay" if graphed else "eager_static"] = per(st["times_s"], st["counts"], mode)
     lat["first_call"] = {k: round(v, 4) for k, v in turns[0]["latent_times_s"].items()}
     if graphed:
-        eager_loop = CG.GraphedLatentLoop(trainer, capacity=capacity, graphed=False, profile=True,
+        eager_loop = CG.GraphedLatentLoop(thinker, capacity=capacity, graphed=False, profile=True,
                                           attention=a.attention)
         eager_loop.frozen = loop.frozen
         eager_loop.run_rows(rs, a.eager_steps, sigma, scale, toks, gen_lat)
@@ -271,7 +278,7 @@ def main(argv=None) -> dict:
         del eager_loop
     # eager HF: DynamicCache + PEFT's own forward (no frozen DoRA scale), as engine.prefix_cache decodes
     kv, mask, pos = PC.stack_rows(rs)
-    text, _, emb = M._parts(trainer)
+    text, _, emb = M._parts(thinker)
     x = emb(torch.full((B, 1), THINK, dtype=torch.long, device=dev))
     ts = []
     with torch.no_grad():
@@ -310,13 +317,13 @@ def main(argv=None) -> dict:
     res["decode_ms_per_token"] = dcd
 
     # -- prefix cache: computed share, cached vs uncached logits -------------------------------------------------
-    tin = sum(r["trainer_input_tokens"] for r in turns)
-    tcomp = sum(r["trainer_computed_tokens"] for r in turns)
-    res["prefix_cache"] = {"trainer_input_tokens": tin, "trainer_computed_tokens": tcomp,
-                           "trainer_computed_share": round(tcomp / max(1, tin), 4),
+    tin = sum(r["latent_input_tokens"] for r in turns)
+    tcomp = sum(r["latent_computed_tokens"] for r in turns)
+    res["prefix_cache"] = {"latent_input_tokens": tin, "latent_computed_tokens": tcomp,
+                           "latent_computed_share": round(tcomp / max(1, tin), 4),
                            "counters": tcache.counters(),
                            "sampler_counters": None if scache is tcache else scache.counters()}
-    _, head, _ = M._parts(trainer)
+    _, head, _ = M._parts(thinker)
 
     def logits_of(h):
         return head(h.to(dev)[None]).float()[0]
@@ -335,13 +342,13 @@ def main(argv=None) -> dict:
                     position_ids=torch.arange(len(last), device=dev)[None]).last_hidden_state[0, -1]
         uncached = logits_of(full)
         lc["final_prefix"] = {"tokens": len(last), **gap(cached, uncached), "logit_scale": float(uncached.abs().max())}
-        rec = PC.prefill_rows(trainer, [last], None, [bounds[0][:-1]])  # recomputed, same turn boundaries, no cache
+        rec = PC.prefill_rows(thinker, [last], None, [bounds[0][:-1]])  # recomputed, same turn boundaries, no cache
         lc["final_vs_recomputed_same_chunks"] = gap(cached, logits_of(rec.rows[0].last_hidden))
         n0, st0 = tcache.lookup(c0)
         full0 = text(input_ids=torch.tensor([c0], device=dev),
                      position_ids=torch.arange(len(c0), device=dev)[None]).last_hidden_state[0, -1]
         lc["c0_one_chunk"] = {"tokens": len(c0), **gap(logits_of(st0.last_hidden), logits_of(full0))}
-        if sampler is not trainer:  # NF4 trainer vs BF16 sampler on the same prefix: what the parity gate sees
+        if sampler is not thinker:  # NF4 trainer vs BF16 sampler on the same prefix: what the parity gate sees
             n1, st1 = scache.lookup(last)
             with dec.frozen:
                 ls = M._parts(sampler)[1](st1.last_hidden.to(dev)[None]).float()[0]
@@ -351,7 +358,7 @@ def main(argv=None) -> dict:
     res["logits_check"] = lc
 
     if a.profile:  # on the CPU (--small) only the decode profile's flow runs (no CUDA kernels to list)
-        res["profile"] = (profile_section(a, trainer, prefixes, history, tcache, capacity, K, sigma, scale, toks, dev)
+        res["profile"] = (profile_section(a, thinker, prefixes, history, tcache, capacity, K, sigma, scale, toks, dev)
                           if graphed else {})
         res["profile"]["decode"] = profile_decode(a, sampler, prefixes, history, scache, capacity, K, toks, dev)
     res["wall_s"] = round(time.perf_counter() - t_start, 1)
@@ -360,7 +367,7 @@ def main(argv=None) -> dict:
     res["targets"] = {
         "latent_step_ms<=15": lat["graphed_replay"] is not None and lat["graphed_replay"] <= 15,
         "decode_ms_per_token<=13": dcd["graphed_replay"] is not None and dcd["graphed_replay"] <= 13,
-        "computed_share<=0.10": res["prefix_cache"]["trainer_computed_share"] <= 0.10,
+        "computed_share<=0.10": res["prefix_cache"]["latent_computed_share"] <= 0.10,
         "logits_within_1e-3": res["logits_check"]["max_abs_logprob_diff"] <= 1e-3,
         "generation_per_turn<=1.5s": res["generation_s_per_turn"]["later_mean"] <= 1.5,
     }
@@ -474,7 +481,7 @@ def print_table(res: dict) -> None:
     print(f"{'turn':>4} {'prefill s':>10} {'latent s':>9} {'answers s':>10} {'gym s':>7} {'gen s':>7} {'computed/input':>16}")
     for r in res["turns"]:
         print(f"{r['turn']:>4} {r['prefill_s']:>10.3f} {r['latent_s']:>9.3f} {r['answers_s']:>10.3f} {r['gym_s']:>7.4f} "
-              f"{r['generation_s']:>7.3f} {r['trainer_computed_tokens']:>7}/{r['trainer_input_tokens']:<8}")
+              f"{r['generation_s']:>7.3f} {r['latent_computed_tokens']:>7}/{r['latent_input_tokens']:<8}")
     ph = res["phases_s"]
     print(f"{'sum':>4} {ph['prefill_s']:>10.3f} {ph['latent_s']:>9.3f} {ph['answers_s']:>10.3f} {ph['gym_s']:>7.4f}")
     lat, dcd, fl = res["latent_ms_per_step"], res["decode_ms_per_token"], res["floor_ms"]
@@ -484,8 +491,8 @@ def print_table(res: dict) -> None:
           f"| 16-token call wall/token (incl. chunk) CUDA gen {dcd.get('wall_ms_per_token_cuda_generator')}  CPU gen "
           f"{dcd.get('wall_ms_per_token_cpu_generator')}  | floor {fl['sampler']} ms (target <= 13)")
     pc, lc = res["prefix_cache"], res["logits_check"]
-    print(f"prefix cache: trainer computed {pc['trainer_computed_tokens']}/{pc['trainer_input_tokens']} = "
-          f"{pc['trainer_computed_share']:.1%} (target <= 10 %); cached vs uncached one-shot: max |dlogit| "
+    print(f"prefix cache: latent model computed {pc['latent_computed_tokens']}/{pc['latent_input_tokens']} = "
+          f"{pc['latent_computed_share']:.1%} (target <= 10 %); cached vs uncached one-shot: max |dlogit| "
           f"{lc['max_abs_logit_diff']:.2e}, max |dlogp| {lc['max_abs_logprob_diff']:.2e} (target <= 1e-3)")
     print(f"  cached vs recomputed with the same turn chunks: {lc['final_vs_recomputed_same_chunks']}; c_0 cached vs "
           f"one-shot (one chunk both): {lc['c0_one_chunk']}")
@@ -511,7 +518,7 @@ def print_table(res: dict) -> None:
     if "export_equal" in res:
         print(f"NF4: {res['quantized_layers']} layers quantized in {res['quantize_s']:.1f} s; BF16 export equal to the "
               f"trainer's dequantized weights: {res['export_equal']}")
-    print("kernels:", res["kernels"])
+    print("kernels:", res["kernels"], "| latent loop on the", res["latent_engine"], "(floor 'trainer' = its model)")
     print("targets:", ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in res["targets"].items()))
 
 

@@ -509,11 +509,13 @@ def test_turn_boundaries_bitwise_on_cuda_graphed():
         assert torch.equal(z_warm, z) and torch.equal(q_warm, q)
 
 
-def test_latent_engine_sampler_gives_the_trainers_thoughts_on_an_unquantized_base(tmp_path):
+@pytest.mark.parametrize("static", [False, True], ids=["cached-loop", "static-path"])
+def test_latent_engine_sampler_gives_the_trainers_thoughts_on_an_unquantized_base(tmp_path, static):
     """latent.engine: sampler runs the latent loop on the hf sampler's model. On an unquantized base that model holds
     the trainer's weights in the trainer's dtype, so thoughts, densities and answers must equal the trainer's bit for
-    bit, through the one prefix cache both engines share (the same tokens computed). auto keeps the trainer there;
-    a sampler holding another adapter is refused."""
+    bit, through the one prefix cache both engines share (the same tokens computed) -- on the prefix-cached loops and
+    on the GPU's static path run eagerly (the sampler engine then holds both static loops, each with its frozen
+    adapter). auto keeps the trainer there; a sampler holding another adapter is refused."""
     import numpy as np
 
     from artifacts import read_json, read_table
@@ -530,8 +532,16 @@ def test_latent_engine_sampler_gives_the_trainers_thoughts_on_an_unquantized_bas
         export = export_base(run_dir, prep["base"])["path"]
         state = sample_tasks(run_dir, 0, prep["base"])["path"]
         runtime.clear()
+        if static:
+            cfg = run_config(run_dir)
+            runtime.trainer(cfg, prep["base"], prep["base"]).graphs = True
+            runtime.sampler(cfg, export, prep["base"]).graphs = True
         outs[engine] = generate_turn(run_dir, 0, 0, state, prep["adapter_init"], export, prep["base"])
         assert outs[engine]["latent_engine"] == engine
+        if static:
+            thinker = (runtime.sampler if engine == "sampler" else runtime.trainer)(
+                cfg, export if engine == "sampler" else prep["base"], prep["base"])
+            assert thinker.latent_graph().stats()["counts"].get("eager", 0) > 0  # the static loop ran here
     a, b = read_table(outs["trainer"]["path"]), read_table(outs["sampler"]["path"])
     for col in ("thoughts", "thought_logq", "answer_ids", "sampler_logps"):
         for x, y in zip(a.column(col).to_pylist(), b.column(col).to_pylist()):

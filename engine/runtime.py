@@ -27,9 +27,6 @@ def set_threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
-_OWN = object()  # Engine.thoughts: "this engine's own prefix cache"
-
-
 @dataclass
 class Engine:
     """One model (base + adapter) with the adapter it currently holds, and its generation fast path.
@@ -92,17 +89,16 @@ class Engine:
                 "setup_s": round(g.times.get("warmup", 0.0) + g.times.get("capture", 0.0), 4)}
 
     # -- the trainer role: latent thoughts --------------------------------------------------------------------------
-    def thoughts(self, prefixes: list[list[int]], boundaries, K: int, sigma: float, seed: int,
-                 times: dict | None = None, cache=_OWN) -> tuple[torch.Tensor, torch.Tensor]:
+    def thoughts(self, prefixes: list[list[int]], boundaries, K: int, sigma: float, seed: int, cache,
+                 times: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K latent thoughts and their log-densities per row, on this engine's fastest path: CUDA-graph replay on a
         static cache after a prefix-cached per-row prefill (GPU), the prefix-cached loop (CPU), or the plain batched
         loop (generation.prefix_cache off). Same generator use on every path (one (B, d) block per thought, row
         order, drawn from a CPU generator seeded with `seed`). times: the graphed path adds its prefill seconds under
-        "latent_prefill_s". cache: the prefix cache to prefill through (default this engine's own; the hf sampler
-        sampling thoughts passes the one its answers use, answer_cache(trainer))."""
+        "latent_prefill_s". cache: the prefix cache to prefill through (None: none) -- the trainer's own, or for the hf
+        sampler sampling thoughts the one its answers use, answer_cache(trainer)."""
         from engine import prefix_cache as PC
 
-        cache = self.prefix_cache if cache is _OWN else cache
         gen = generator_for(seed)  # a list: one generator per row (engine/rng.py)
         with torch.no_grad():
             if self.graphs:

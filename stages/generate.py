@@ -84,13 +84,13 @@ def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in:
         sigma = cfg.latent.sigma * trainer.scale
         thinker = runtime.latent_engine(cfg, trainer, sampler)  # latent.engine: the trainer's model or the export's
         think_cache = sampler.answer_cache(trainer) if thinker is sampler else trainer.prefix_cache  # one per model
-        out["latent_engine"] = "sampler" if thinker is sampler and sampler is not trainer else "trainer"
+        out["latent_engine"] = "sampler" if thinker is sampler else "trainer"
         with timer(out, "latent_s"):
             # one generator per row, seeded by (run seed, step, turn, row): a row's thoughts and answer are the same
             # whatever rows share its batch or worker (engine/rng.py)
             z, logq = thinker.thoughts(prefixes, boundaries, K, sigma,
-                                       [seed_for(cfg.seed, step, turn, "latent", i) for i in active], times=out,
-                                       cache=think_cache)
+                                       [seed_for(cfg.seed, step, turn, "latent", i) for i in active], think_cache,
+                                       times=out)
         with timer(out, "answers_s"):
             ids, lps = sampler.answers(prefixes, boundaries, z, cfg.sampler.max_answer_tokens, cfg.sampler.temperature,
                                        [seed_for(cfg.seed, step, turn, "sampler", i) for i in active], limits, trainer,

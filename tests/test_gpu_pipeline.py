@@ -84,6 +84,10 @@ def test_fresh_steps_on_cuda(tmp_path, variant):
     trainer = runtime.trainer(cfg, prep["base"], prep["base"])
     assert trainer.device.type == "cuda" and trainer.graphs
     sampler = runtime.sampler(cfg, steps[0]["export"], prep["base"])
+    # after the steps the trainer holds the optimized adapter and the sampler the last step's input: load one adapter
+    # into both, as generate_turn does, before asking which engine samples thoughts
+    for e in (trainer, sampler):
+        e.use_adapter(f"{run_dir}/step-0001/adapter")
     thinker = runtime.latent_engine(cfg, trainer, sampler)  # latent.engine auto: the BF16 export's model for NF4
     assert (thinker is sampler) == (cfg.model.quantization == "nf4")
     assert {g["latent_engine"] for s in steps for g in s["generate"]} == {

@@ -124,7 +124,7 @@ def main(argv=None) -> dict:
     p.add_argument("--profile", action="store_true",
                    help="also: latent replay ms/step with each attention, and a kernel profile of eager static steps")
     p.add_argument("--kernels", choices=["auto", "torch"], default="auto",
-                   help="GDN, adapter-epilogue and RMSNorm kernels as the trainer chooses them (engine.runtime.build: "
+                   help="GDN, adapter-epilogue, adapter-step and RMSNorm kernels as the trainer chooses them (engine.runtime.build: "
                         "qualified fused kernels where they pass, one log line otherwise), or PyTorch everywhere")
     p.add_argument("--latent-engine", choices=["auto", "trainer", "sampler"], default="auto",
                    help="the model the latent loop runs on (configs latent.engine): auto = the sampler's BF16 export "
@@ -170,6 +170,7 @@ def main(argv=None) -> dict:
     # the choices engine.runtime.build makes, before the first forward and before any graph is captured
     res["kernels"] = {"gdn": gdn.install(a.kernels, base.config, dev),
                       "adapter_epilogue": adapter_kernels.install(a.kernels, dev),
+                      "adapter_step": adapter_kernels.install_step(a.kernels, dev),
                       "rmsnorm": norm_kernels.install(a.kernels, dev)}
     res["params"] = sum(p_.numel() for p_ in base.parameters())
     acfg = cfg27.adapter

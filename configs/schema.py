@@ -40,6 +40,12 @@ class ModelConfig(_Strict):
         "auto", description="the LoRA/DoRA epilogue (engine/adapter_kernels.py): auto = fused Triton kernels where "
                             "they qualify bit for bit against the PyTorch expressions on this GPU (one log line "
                             "otherwise), the PyTorch expressions on the CPU; torch = the PyTorch expressions always")
+    adapter_step_kernels: Literal["auto", "torch"] = Field(
+        "auto", description="the adapter term of single-token steps (latent loop and decode, at most 16 rows: "
+                            "engine/adapter_kernels.py): auto = two Triton kernels for the whole term where they "
+                            "qualify on this GPU -- within 1 BF16 ulp of the PyTorch path and as close to FP64, not bit "
+                            "for bit (the sums run in another order than cuBLAS's) -- the PyTorch path on the CPU; "
+                            "torch = the PyTorch path always (FP32 GEMMs and the epilogue above)")
     norm_kernels: Literal["auto", "torch"] = Field(
         "auto", description="the RMSNorms (engine/norm_kernels.py): auto = fused Triton kernels (forward and input "
                             "gradient) where they qualify on this GPU -- as accurate against FP64 as transformers' FP32 "

@@ -26,13 +26,12 @@ def _tile(n_rows, n_cols, BR: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def fwd(r_ptr, l_ptr, ms_ptr, bias_ptr, out_ptr, n_rows, n_cols, s,
-        DORA: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_LORA: tl.constexpr,
-        BR: tl.constexpr, BC: tl.constexpr):
-    _, cols, cmask, mask, off = _tile(n_rows, n_cols, BR, BC)
+def _combine(r_ptr, ms_ptr, bias_ptr, out_ptr, lo, cols, cmask, mask, off, s,
+             DORA: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_LORA: tl.constexpr):
+    """out = the base output r combined with the FP32 LoRA term lo (PEFT's expressions, module docstring of
+    engine/adapter_kernels.py), rounded once, stored at off."""
     r_lp = tl.load(r_ptr + off, mask=mask, other=0.0)
     r = r_lp.to(tl.float32)
-    lo = tl.load(l_ptr + off, mask=mask, other=0.0)
     if DORA:
         ms = tl.load(ms_ptr + cols, mask=cmask, other=0.0)
         if HAS_BIAS:
@@ -46,6 +45,60 @@ def fwd(r_ptr, l_ptr, ms_ptr, bias_ptr, out_ptr, n_rows, n_cols, s,
     else:
         out = r + lo * s
     tl.store(out_ptr + off, bf16_rtne(out).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def fwd(r_ptr, l_ptr, ms_ptr, bias_ptr, out_ptr, n_rows, n_cols, s,
+        DORA: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_LORA: tl.constexpr,
+        BR: tl.constexpr, BC: tl.constexpr):
+    _, cols, cmask, mask, off = _tile(n_rows, n_cols, BR, BC)
+    lo = tl.load(l_ptr + off, mask=mask, other=0.0)
+    _combine(r_ptr, ms_ptr, bias_ptr, out_ptr, lo, cols, cmask, mask, off, s, DORA, HAS_BIAS, ROUND_LORA)
+
+
+@triton.jit
+def step_h(x_ptr, a_ptr, part_ptr, n_rows, n_in, n_rank, K_CHUNK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """Single-token steps, part 1: partial h = A x over one chunk of the input dimension, for every row at once.
+    Program (j, c): rank j, input chunk c; x (n_rows, n_in) in its own dtype, A (n_rank, n_in) FP32 ->
+    part[c, row, j] in FP32 (products and sums in FP32, a fixed order: per row independent of the other rows)."""
+    j = tl.program_id(0)
+    c = tl.program_id(1)
+    rows = tl.arange(0, BM)[:, None]
+    rmask = rows < n_rows
+    acc = tl.zeros((BM, BK), dtype=tl.float32)
+    k0 = c * K_CHUNK
+    for k in range(0, K_CHUNK, BK):
+        ks = k0 + k + tl.arange(0, BK)[None, :]
+        km = ks < n_in
+        xv = tl.load(x_ptr + rows.to(tl.int64) * n_in + ks, mask=rmask & km, other=0.0).to(tl.float32)
+        av = tl.load(a_ptr + j.to(tl.int64) * n_in + ks, mask=km, other=0.0)
+        acc += xv * av
+    h = tl.sum(acc, axis=1)
+    m1 = tl.arange(0, BM)
+    tl.store(part_ptr + (c * BM + m1) * n_rank + j, h, mask=m1 < n_rows)
+
+
+@triton.jit
+def step_out(part_ptr, b_ptr, r_ptr, ms_ptr, bias_ptr, out_ptr, n_rows, n_cols, n_rank, s,
+             N_CHUNKS: tl.constexpr, DORA: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_LORA: tl.constexpr,
+             BM: tl.constexpr, BC: tl.constexpr, RP: tl.constexpr):
+    """Single-token steps, part 2: h = the chunks' partials summed in order, the LoRA term B h (FP32) of this
+    program's BC output columns for every row, combined with the base output as `fwd` does."""
+    m1 = tl.arange(0, BM)
+    rk = tl.arange(0, RP)
+    hmask = (m1[:, None] < n_rows) & (rk[None, :] < n_rank)
+    h = tl.load(part_ptr + m1[:, None] * n_rank + rk[None, :], mask=hmask, other=0.0)
+    for c in tl.static_range(1, N_CHUNKS):
+        h += tl.load(part_ptr + (c * BM + m1[:, None]) * n_rank + rk[None, :], mask=hmask, other=0.0)
+    cols1 = tl.program_id(0) * BC + tl.arange(0, BC)
+    b = tl.load(b_ptr + cols1[:, None].to(tl.int64) * n_rank + rk[None, :],
+                mask=(cols1[:, None] < n_cols) & (rk[None, :] < n_rank), other=0.0)
+    lo = tl.sum(h[:, None, :] * b[None, :, :], axis=2)  # (BM, BC)
+    cols = cols1[None, :]
+    cmask = cols < n_cols
+    mask = (m1[:, None] < n_rows) & cmask
+    off = m1[:, None].to(tl.int64) * n_cols + cols
+    _combine(r_ptr, ms_ptr, bias_ptr, out_ptr, lo, cols, cmask, mask, off, s, DORA, HAS_BIAS, ROUND_LORA)
 
 
 @triton.jit

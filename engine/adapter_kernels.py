@@ -34,7 +34,7 @@ from engine.kernel_choice import choose, interpret, kernel_errors
 
 log = logging.getLogger("lgrpo.adapter")
 
-_STATE: dict = {"devices": set(), "launches": 0}
+_STATE: dict = {"devices": set(), "step_devices": set(), "launches": 0}
 _K: dict = {}
 BLOCK_R, BLOCK_C = 32, 128
 
@@ -43,7 +43,7 @@ def _kernels() -> dict:
     if not _K:
         from engine import _adapter_triton as T
 
-        _K.update(fwd=T.fwd, bwd_dora=T.bwd_dora, bwd_lora=T.bwd_lora)
+        _K.update(fwd=T.fwd, bwd_dora=T.bwd_dora, bwd_lora=T.bwd_lora, step_h=T.step_h, step_out=T.step_out)
     return _K
 
 
@@ -130,6 +130,110 @@ def lora_grad_fused(g, s: float):
     return gl
 
 
+# -- single-token steps: the whole adapter term in two kernels ----------------------------------------------------------
+#
+# A latent step or a decoded token runs every adapted projection on a handful of rows (one per sequence). There the
+# PyTorch path is five kernels per projection, each a few microseconds of launch and latency for almost no work:
+# x cast to FP32, the FP32 GEMM A x (cuBLAS picks split-K: a GEMM and a reduce), B h, and the epilogue -- measured on
+# one H200 at the 27B shape, ~10 of the 30 ms of a graphed decode step go to the 400 adapted projections' FP32 path
+# (bench/results/h200-recipe-27b-nf4-latent-sampler-2026-12-02.json). Here: step_h (partial h = A x per input chunk,
+# x read in its own dtype) and step_out (h summed over the chunks in order, B h and the epilogue of `fwd`). The
+# arithmetic is FP32 throughout, as PyTorch's; only the order of the sums differs from cuBLAS's, so the outputs agree
+# within one BF16 unit in the last place, not bit for bit (the qualification checks that, and that the result is as
+# close to an FP64 reference as PyTorch's). A row's result does not depend on the other rows of the batch.
+
+STEP_ROWS = 16  # at most this many rows (batch x tokens) take the step kernels
+STEP_BK, STEP_K_CHUNK = 128, 1024
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def step_torch(result, x, A, B, ms, bias, s: float, dora: bool, round_lora: bool):
+    """The PyTorch path of engine/cuda_graphs.FrozenAdapter: the reference of `step_fused`."""
+    xf = x.to(A.dtype) if x.dtype != A.dtype else x
+    lo = torch.nn.functional.linear(torch.nn.functional.linear(xf, A), B)
+    return (epilogue_fused if enabled(result) else epilogue_torch)(result, lo, ms, bias, s, dora, round_lora)
+
+
+def step_fused(result, x, A, B, ms, bias, s: float, dora: bool, round_lora: bool):
+    """result: the base output (.., out) BF16; x: the input (.., in); A (r, in), B (out, r) FP32; ms (1, out) or
+    None. Rows (the product of the leading dims) at most STEP_ROWS."""
+    _need_bf16(result)
+    k = _kernels()
+    shape = result.shape
+    n_out, n_in = shape[-1], x.shape[-1]
+    x2, r2 = x.reshape(-1, n_in).contiguous(), result.reshape(-1, n_out).contiguous()
+    n_rows, rank = x2.shape[0], A.shape[0]
+    if n_rows > STEP_ROWS:
+        raise ValueError(f"step kernels take at most {STEP_ROWS} rows, got {n_rows}")
+    BM, RP = _pow2(n_rows), _pow2(rank)
+    n_chunks = (n_in + STEP_K_CHUNK - 1) // STEP_K_CHUNK
+    part = torch.empty(n_chunks, BM, rank, dtype=torch.float32, device=x2.device)
+    _launch(k["step_h"], (rank, n_chunks), x2, A.contiguous(), part, n_rows, n_in, rank, K_CHUNK=STEP_K_CHUNK,
+            BM=BM, BK=STEP_BK)
+    BC = max(16, min(128, 4096 // (BM * RP)))
+    out = torch.empty_like(r2)
+    ms_ = ms.reshape(-1).contiguous() if dora else r2
+    bias_ = bias.contiguous() if (dora and bias is not None) else r2
+    _launch(k["step_out"], ((n_out + BC - 1) // BC,), part, B.contiguous(), r2, ms_, bias_, out, n_rows, n_out, rank,
+            float(s), N_CHUNKS=n_chunks, DORA=bool(dora), HAS_BIAS=bool(dora and bias is not None),
+            ROUND_LORA=bool(round_lora and not dora), BM=BM, BC=BC, RP=RP)
+    return out.reshape(shape)
+
+
+def step_enabled(result: torch.Tensor) -> bool:
+    """Use the step kernels for this base output: BF16, at most STEP_ROWS rows, on a device where they qualified."""
+    return (result.dtype == torch.bfloat16 and result.numel() <= STEP_ROWS * result.shape[-1]
+            and (result.is_cuda or interpret()) and str(result.device) in _STATE["step_devices"])
+
+
+def _ulps_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in units in the last place of BF16 at the larger magnitude (both BF16 tensors)."""
+    a, b = a.double(), b.double()
+    mag = torch.maximum(a.abs(), b.abs()).clamp_min(2.0 ** -126)
+    return (a - b).abs() / torch.exp2(torch.floor(torch.log2(mag)) - 7)
+
+
+def qualify_step(device, dtype=torch.bfloat16) -> dict:
+    """The step kernels against `step_torch` on random data of awkward shapes (rows 1-16, ranks not powers of two,
+    input and output widths not multiples of the blocks), DoRA with and without bias, LoRA, bnb-rounded LoRA.
+    Passed: every output within 1 BF16 ulp of PyTorch's, and as close to an FP64 evaluation of the same expression
+    as PyTorch's (relative L2 at most 1.25x PyTorch's + 1e-7)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    res = {"passed": True, "cases": []}
+    try:
+        for n_rows, n_in, n_out, rank in ((1, 300, 7, 16), (4, 2500, 257, 16), (13, 1030, 130, 5), (16, 640, 96, 8)):
+            def rnd(*shape, dt=torch.float32, scale=1.0):
+                return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dt)
+
+            x = rnd(n_rows, 1, n_in, dt=dtype)
+            W = rnd(n_out, n_in, dt=dtype, scale=n_in ** -0.5)
+            A, B = rnd(rank, n_in, scale=n_in ** -0.5), rnd(n_out, rank, scale=0.05)
+            r = torch.nn.functional.linear(x, W)
+            ms = 1.0 + rnd(1, n_out, scale=1e-2)
+            bias = rnd(n_out, dt=dtype)
+            s = 2.0
+            for dora, b, rl in ((True, None, False), (True, bias, False), (False, None, False), (False, None, True)):
+                ref = step_torch(r, x, A, B, ms if dora else None, b, s, dora, rl)
+                got = step_fused(r, x, A, B, ms if dora else None, b, s, dora, rl)
+                lo64 = torch.nn.functional.linear(torch.nn.functional.linear(x.double(), A.double()), B.double())
+                exact = epilogue_torch(r.double(), lo64, ms.double() if dora else None,
+                                       None if b is None else b.double(), s, dora, False)
+                err = lambda t: float((t.double() - exact).norm() / exact.norm().clamp_min(1e-30))  # noqa: E731
+                ulps = float(_ulps_bf16(ref, got).max())
+                ok = ulps <= 1.0 and err(got) <= 1.25 * err(ref) + 1e-7
+                res["cases"].append({"kernel": "step", "dora": dora, "bias": b is not None, "round_lora": rl,
+                                     "shape": [n_rows, n_in, n_out, rank], "max_ulps": ulps,
+                                     "bitwise_share": float((ref == got).float().mean()),
+                                     "fp64_rel_l2": err(got), "fp64_rel_l2_torch": err(ref), "passed": ok})
+                res["passed"] &= ok
+    except kernel_errors() as e:  # a kernel that does not build or run here is not qualified: the reason is logged
+        res.update(passed=False, error=f"{type(e).__name__}: {e}")
+    return res
+
+
 # -- the choice ---------------------------------------------------------------------------------------------------------
 
 def enabled(t: torch.Tensor) -> bool:
@@ -183,6 +287,15 @@ def install(mode: str, device) -> str:
                   "bitwise")
 
 
+def install_step(mode: str, device) -> str:
+    """Choose the single-token step path for `device` (model.adapter_step_kernels): torch (the PyTorch path) or auto
+    (the step kernels where they qualify: within 1 BF16 ulp of PyTorch, as close to FP64). Returns "fused"/"torch"."""
+    return choose("model.adapter_step_kernels", "adapter single-token steps", "the PyTorch path", mode, device,
+                  _STATE["step_devices"], qualify_step, lambda q: [c for c in q["cases"] if not c.get("passed", True)],
+                  log, "within 1 BF16 ulp of PyTorch")
+
+
 def reset() -> None:
     """Forget every choice (tests)."""
     _STATE["devices"].clear()
+    _STATE["step_devices"].clear()

@@ -334,11 +334,11 @@ class FrozenAdapter:
             result = base(x, *args, **kwargs)
             if bnb4:
                 result = result.clone()
-            xf = x.to(A.weight.dtype) if x.dtype != A.weight.dtype else x
-            lora = B(A(xf))
-            # PEFT's combination (engine/adapter_kernels.py): one fused kernel where qualified, else its expressions
-            epilogue = AK.epilogue_fused if AK.enabled(result) else AK.epilogue_torch
-            return epilogue(result, lora, self.ms.get(name), base.bias if dora else None, scaling, dora, bnb4)
+            # PEFT's arithmetic (engine/adapter_kernels.py): on a few rows (a latent step, a decoded token) the whole
+            # term in two kernels where qualified; else the FP32 GEMMs and one fused epilogue, or its expressions
+            step = AK.step_fused if AK.step_enabled(result) else AK.step_torch
+            return step(result, x, A.weight, B.weight, self.ms.get(name), base.bias if dora else None, scaling, dora,
+                        bnb4)
 
         return forward
 

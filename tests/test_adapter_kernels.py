@@ -66,15 +66,83 @@ def test_replay_adapter_term_fused_gives_the_same_output_and_gradients():
         assert c["m_rel"] <= 1e-5, (dora, c)
 
 
+def test_step_kernels_agree_with_the_pytorch_path_within_one_bf16_ulp():
+    """The single-token step kernels (the whole adapter term for <= 16 rows) against FrozenAdapter's PyTorch path:
+    every variant and awkward shape qualifies (within 1 BF16 ulp, as close to FP64), almost every element is equal
+    bit for bit (only the FP32 sums' order differs), and a row's output does not depend on the rows beside it."""
+    q = _interpreted("""
+        import json, torch
+        from engine import adapter_kernels as AK
+        q = AK.qualify_step(torch.device("cpu"))
+        torch.manual_seed(1)
+        x = torch.randn(5, 1, 700).bfloat16()
+        W = (torch.randn(90, 700) * 0.04).bfloat16()
+        A, B = torch.randn(16, 700) * 0.04, torch.randn(90, 16) * 0.05
+        ms = 1.0 + 0.01 * torch.randn(1, 90)
+        r = torch.nn.functional.linear(x, W)
+        batch = AK.step_fused(r, x, A, B, ms, None, 2.0, True, False)
+        alone = [AK.step_fused(r[i:i + 1], x[i:i + 1], A, B, ms, None, 2.0, True, False) for i in range(5)]
+        q["rows_independent"] = all(torch.equal(batch[i:i + 1], alone[i]) for i in range(5))
+        print(json.dumps(q))
+    """)
+    assert q["passed"], q
+    kinds = {(c["dora"], c["bias"], c["round_lora"]) for c in q["cases"]}
+    assert len(kinds) == 4 and len(q["cases"]) == 16, q  # 4 variants x 4 shapes (rows 1..16, rank 5/8/16)
+    assert max(c["max_ulps"] for c in q["cases"]) <= 1.0
+    assert min(c["bitwise_share"] for c in q["cases"]) >= 0.99, q
+    assert q["rows_independent"]
+
+
+def test_frozen_adapter_takes_the_step_kernels_on_few_rows_only():
+    """FrozenAdapter (the samplers' adapter forward) with the step kernels qualified: a PEFT DoRA layer on 4 rows of
+    one token launches them and agrees with the PyTorch path within 1 BF16 ulp; on 40 rows (a prefill) it does not
+    launch them and equals the PyTorch path bit for bit."""
+    r = _interpreted("""
+        import json, torch
+        from peft import LoraConfig, get_peft_model
+        from engine import adapter_kernels as AK
+        from engine.cuda_graphs import FrozenAdapter
+        torch.manual_seed(0)
+        net = torch.nn.Sequential()
+        net.add_module("lin", torch.nn.Linear(300, 130, bias=True))
+        net = net.to(torch.bfloat16)
+        model = get_peft_model(net, LoraConfig(r=8, lora_alpha=16, target_modules=["lin"], use_dora=True))
+        lora = model.base_model.model.lin
+        torch.nn.init.normal_(lora.lora_B["default"].weight, std=0.05)
+        model.eval()
+        out = {}
+        with torch.no_grad():
+            for rows in (4, 40):
+                x = torch.randn(rows, 1, 300).bfloat16()
+                AK.reset()
+                with FrozenAdapter(model):
+                    ref = model(x)
+                AK._STATE["step_devices"].add("cpu")
+                n0 = AK._STATE["launches"]
+                with FrozenAdapter(model):
+                    got = model(x)
+                ulps = float(AK._ulps_bf16(ref, got).max())
+                out[rows] = {"launched": AK._STATE["launches"] - n0, "max_ulps": ulps, "equal": torch.equal(ref, got)}
+        AK.reset()
+        print(json.dumps(out))
+    """)
+    assert r["4"]["launched"] == 2 and r["4"]["max_ulps"] <= 1.0, r  # step_h + step_out, one layer
+    assert r["40"]["launched"] == 0 and r["40"]["equal"], r
+
+
 def test_install_keeps_the_pytorch_expressions_on_a_cpu_and_rejects_unknown_modes():
     from engine import adapter_kernels as AK
 
     assert AK.install("auto", "cpu") == "torch" and AK.install("torch", "cpu") == "torch"
+    assert AK.install_step("auto", "cpu") == "torch" and AK.install_step("torch", "cpu") == "torch"
     with pytest.raises(ValueError, match="auto, torch"):
         AK.install("fast", "cpu")
+    with pytest.raises(ValueError, match="adapter_step_kernels"):
+        AK.install_step("fast", "cpu")
     import torch
 
     assert not AK.enabled(torch.zeros(2, dtype=torch.bfloat16))  # nothing qualified on the CPU outside the interpreter
+    assert not AK.step_enabled(torch.zeros(2, 3, dtype=torch.bfloat16))
 
 
 @pytest.mark.gpu
@@ -90,4 +158,7 @@ def test_installed_for_cuda_the_fused_path_is_used_by_tensors_on_that_device():
     AK.reset()
     assert AK.install("auto", "cuda") == "fused"
     assert AK.enabled(torch.zeros(2, 2, dtype=torch.bfloat16, device="cuda"))
+    assert AK.install_step("auto", "cuda") == "fused", AK.qualify_step(torch.device("cuda"))
+    assert AK.step_enabled(torch.zeros(4, 1, 8, dtype=torch.bfloat16, device="cuda"))
+    assert not AK.step_enabled(torch.zeros(17, 8, dtype=torch.bfloat16, device="cuda"))  # a prefill: PyTorch path
     AK.reset()

@@ -17,6 +17,7 @@ prefix-cached, CUDA-graphed) shares one definition of how a batch draws.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -28,6 +29,9 @@ class RowRandom:
         self.seeds = [int(s) for s in seeds]
         self.gens = [torch.Generator().manual_seed(s) for s in self.seeds]
         self.device = torch.device("cpu")
+        # where a decoded token's host time goes (multinomial): drawing q, and blocked until the step's probabilities
+        # exist (on a GPU: the device still computing). Read by engine.runtime.Engine.answers into the turn's record.
+        self.times = {"draw_s": 0.0, "wait_s": 0.0}
 
     def __len__(self) -> int:
         return len(self.gens)
@@ -61,15 +65,20 @@ class RowRandom:
         def q_of(g: torch.Generator) -> torch.Tensor:
             return torch.empty(V, dtype=dtype).exponential_(1, generator=g)
 
+        t0 = time.perf_counter()
         if probs.device.type != "cpu" and len(self.gens) > 1:
             # ~9 ms per row at V = 248,320 on the H200's host (bench/sampling_draw.py): the rows draw side by side
             # (each generator on one thread; torch releases the GIL), while the GPU still computes the step
             q = torch.stack(list(_draw_pool(len(self.gens)).map(q_of, self.gens)))
         else:
             q = torch.stack([q_of(g) for g in self.gens])
+        t1 = time.perf_counter()
         # torch.multinomial's own checks, in its words; one host sync per draw (the GPU decode's hot path)
         finite = (torch.isfinite(probs) & (probs >= 0)).all()
-        if not bool(finite & (probs.sum(-1) > 0).all()):
+        valid = bool(finite & (probs.sum(-1) > 0).all())
+        self.times["draw_s"] += t1 - t0
+        self.times["wait_s"] += time.perf_counter() - t1
+        if not valid:
             if not bool(finite):
                 raise ValueError("RowRandom.multinomial: probability tensor contains either inf, nan or element < 0 "
                                  "(the model's log-probs are not finite: a diverged adapter or a broken forward)")

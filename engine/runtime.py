@@ -17,7 +17,7 @@ import torch
 from engine import model as M
 from engine import answers as AN
 from engine import latent as LT
-from engine.rng import generator_for
+from engine.rng import RowRandom, generator_for
 
 
 def set_threads(n: int | None) -> None:
@@ -144,7 +144,13 @@ class Engine:
                 dec = self.decoder_graph()
                 with dec.adapter_frozen():
                     rows = _prefill_timed(self.model, prefixes, cache, boundaries, times, "answers_prefill_s")
-                return dec.sample_rows(rows, z, max_new, temperature, self.toks, gen, limits)
+                out = dec.sample_rows(rows, z, max_new, temperature, self.toks, gen, limits)
+                if times is not None and isinstance(gen, RowRandom):
+                    # per decoded token the host draws q while the GPU computes the step, then waits for the step:
+                    # draw >> wait means the draws, not the GPU, set the pace (answers_s minus both: the rest)
+                    for k in ("draw_s", "wait_s"):
+                        times[f"answers_{k}"] = round(times.get(f"answers_{k}", 0.0) + gen.times[k], 4)
+                return out
             if cache is not None:
                 return PC.sample_answers_cached(self.model, prefixes, z, max_new, temperature, self.toks, gen, cache,
                                                 limits, boundaries)

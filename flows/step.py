@@ -208,7 +208,8 @@ def _generate_on_workers(run_dir: str, step: int, turn: int, state: str, adapter
                        [(run_dir, step, turn, state, adapter, export, base, w, rows, shard)
                         for (w, rows), shard in zip(jobs, shards)])
     gather = _run(T.gather_turn, "generate-turn", force_from, run_dir, step, shards, turn_path)
-    keys_max = ("wall_s", "latent_s", "answers_s", "latent_prefill_s", "answers_prefill_s")
+    keys_max = ("wall_s", "latent_s", "answers_s", "latent_prefill_s", "answers_prefill_s", "answers_draw_s",
+                "answers_wait_s")
     keys_sum = ("rows", "answer_tokens", "prefix_tokens", "prefix_input_tokens", "prefix_computed_tokens")
     combined = {"stage": "generate-turn", "turn": turn, "path": gather["path"],
                 "cached": all(r["cached"] for r in results)}
@@ -291,7 +292,8 @@ def publish(run_dir: str, step: int, kind: str, summaries: list[dict]) -> dict:
         metrics.update(prefix_input_tokens=n_in, prefix_computed_tokens=n_comp,
                        prefix_computed_share=round(n_comp / max(1, n_in), 4))
     turn_keys = ("turn", "rows", "latent_engine", "prefix_tokens", "answer_tokens", "latent_prefill_s", "latent_s",
-                 "answers_prefill_s", "answers_s", "wall_s", "latent_graph_captures", "answers_graph_captures",
+                 "answers_prefill_s", "answers_draw_s", "answers_wait_s", "answers_s", "wall_s",
+                 "latent_graph_captures", "answers_graph_captures",
                  "latent_graph_setup_s", "answers_graph_setup_s", "workers")
     turns = [{k: s[k] for k in turn_keys if k in s} for s in summaries
              if s["stage"] == "generate-turn" and not s.get("cached")]

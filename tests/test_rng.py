@@ -67,3 +67,20 @@ def test_gpu_probabilities_give_the_cpu_tokens():
         got = on_gpu.multinomial(p.cuda())
         assert got.device.type == "cuda"
         assert torch.equal(got.cpu(), on_cpu.multinomial(p)), f"step {step}"
+
+
+def test_row_random_records_where_a_draw_spends_its_host_time():
+    """RowRandom.multinomial adds the seconds spent drawing q and waiting for the probabilities (engine.runtime
+    reports them per turn as answers_draw_s / answers_wait_s); the tokens are those of torch.multinomial."""
+    import torch
+
+    from engine.rng import RowRandom
+
+    probs = torch.softmax(torch.randn(3, 5000, generator=torch.Generator().manual_seed(0)), -1)
+    g = RowRandom([4, 5, 6])
+    assert g.times == {"draw_s": 0.0, "wait_s": 0.0}
+    got = [g.multinomial(probs) for _ in range(3)]
+    assert g.times["draw_s"] > 0 and g.times["wait_s"] >= 0
+    ref = [torch.Generator().manual_seed(s) for s in (4, 5, 6)]
+    want = [torch.stack([torch.multinomial(probs[i], 1, generator=ref[i])[0] for i in range(3)]) for _ in range(3)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -10,6 +10,7 @@ per run is appended to `--out`.
     python bench/learning_sweep.py --base-from runs/tiny --name default --seeds 0 1 2
     python bench/learning_sweep.py --base-from runs/tiny --name lr5e-3 --seeds 0 1 2 --set optimizer.lr=5e-3
     python bench/learning_sweep.py --table runs/sweep/results.jsonl   # the Markdown table of all runs so far
+    python bench/learning_sweep.py --base-from runs/tiny --name long --seeds 0 --eval-every 40 --set steps.total=160
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ def copy_prepared(src: Path, dst: Path) -> None:
             shutil.copytree(src / sub, dst / sub)
 
 
-def run_steps(run_dir: str, steps: int) -> list[dict]:
-    """`steps` GRPO steps through the stages, as flows/step.py orders them; one summary per step."""
+def run_steps(run_dir: str, steps: int, eval_every: int = 0, evaluate_at=None) -> list[dict]:
+    """`steps` GRPO steps through the stages, as flows/step.py orders them; one summary per step. With eval_every,
+    `evaluate_at(step)` (held-out success and reward of that step's adapter) joins every eval_every-th step's summary
+    (not the last: the run's "after" evaluation is that one)."""
     from artifacts import RunDir, read_json
     from stages.context import run_config
     from stages.evaluate import batch_reward_gain
@@ -81,11 +84,14 @@ def run_steps(run_dir: str, steps: int) -> list[dict]:
                 rec["batch_reward_gain"] = batch_reward_gain(rollouts, old, rp["path"])["reward_gain"]
         op = optimize(run_dir, step, rollouts, rp["path"], old, adapter, opt_in, base)
         rec.update(loss=op["loss"], grad_norm=op["grad_norm"])
+        if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
+            rec["heldout"] = evaluate_at(step)
         out.append(rec)
     return out
 
 
-def one_run(preset: str, name: str, seed: int, overrides: dict, base_from: Path | None, root: Path) -> dict:
+def one_run(preset: str, name: str, seed: int, overrides: dict, base_from: Path | None, root: Path,
+            eval_every: int = 0) -> dict:
     from artifacts import read_json
     from configs.schema import load_config
     from stages.evaluate import evaluate
@@ -104,7 +110,11 @@ def one_run(preset: str, name: str, seed: int, overrides: dict, base_from: Path 
     base, init = prep["base"]["path"], prep["adapter_init"]["path"]
     export = export_base(str(rd.root), base)["path"]
     before = evaluate(str(rd.root), "before", init, export, base)
-    steps = run_steps(str(rd.root), cfg.steps.total)
+    def evaluate_at(step: int) -> dict:
+        ev = evaluate(str(rd.root), f"step-{step:04d}", str(rd.adapter(step)), export, base)
+        return {"success": ev["success_rate"], "reward": ev["reward_mean"]}
+
+    steps = run_steps(str(rd.root), cfg.steps.total, eval_every, evaluate_at)
     after = evaluate(str(rd.root), f"step-{cfg.steps.total - 1:04d}", str(rd.adapter(cfg.steps.total - 1)), export,
                      base)
     fresh = [s for s in steps if s["kind"] == "fresh"]
@@ -160,6 +170,8 @@ def main() -> None:
     ap.add_argument("--base-from", default=None, help="a prepared run dir whose tokenizer/bootstrap caches to reuse")
     ap.add_argument("--root", default="runs/sweep")
     ap.add_argument("--out", default="runs/sweep/results.jsonl")
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="also evaluate held-out success every N steps (a learning curve in the record's steps)")
     args = ap.parse_args()
     from engine.runtime import set_threads
 
@@ -171,7 +183,8 @@ def main() -> None:
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
     for seed in args.seeds:
-        rec = one_run(args.config, args.name, seed, overrides, Path(args.base_from) if args.base_from else None, root)
+        rec = one_run(args.config, args.name, seed, overrides, Path(args.base_from) if args.base_from else None, root,
+                      args.eval_every)
         with open(args.out, "a") as f:
             f.write(json.dumps(rec) + "\n")
         print(f"{rec['name']} seed {seed}: held-out success {rec['heldout_success_before']:.3f} -> "

@@ -215,10 +215,10 @@ def qualify_step(device, dtype=torch.bfloat16) -> dict:
             ms = 1.0 + rnd(1, n_out, scale=1e-2)
             bias = rnd(n_out, dt=dtype)
             s = 2.0
+            lo64 = torch.nn.functional.linear(torch.nn.functional.linear(x.double(), A.double()), B.double())
             for dora, b, rl in ((True, None, False), (True, bias, False), (False, None, False), (False, None, True)):
                 ref = step_torch(r, x, A, B, ms if dora else None, b, s, dora, rl)
                 got = step_fused(r, x, A, B, ms if dora else None, b, s, dora, rl)
-                lo64 = torch.nn.functional.linear(torch.nn.functional.linear(x.double(), A.double()), B.double())
                 exact = epilogue_torch(r.double(), lo64, ms.double() if dora else None,
                                        None if b is None else b.double(), s, dora, False)
                 err = lambda t: float((t.double() - exact).norm() / exact.norm().clamp_min(1e-30))  # noqa: E731

@@ -99,7 +99,9 @@ def main(argv=None) -> dict:
                "peak_gb": m.get("peak_gb"), "parity_mean": m.get("parity_mean"), "parity_max": m.get("parity_max"),
                "masked": m.get("parity_masked"), "grad_norm": m.get("grad_norm"), "reward_mean": m.get("reward_mean"),
                "replay_tokens": m.get("replay_tokens"), "replay_plan": m.get("replay_plan"),
-               "generate_turns": m.get("generate_turns")}
+               "generate_turns": m.get("generate_turns"),
+               # optimize's own split: back-propagation (with checkpoint recompute) vs loss, optimizer and writes
+               "optimize_backward_s": m.get("backward_s"), "live_graph": m.get("live_graph")}
         T = m.get("replay_tokens")
         rs = ph.get("replay", 0.0) + ph.get("optimize", 0.0)
         if T and rs:
@@ -121,6 +123,7 @@ def main(argv=None) -> dict:
     for r in steps:
         print(f"step {r['step']} {r['kind']:<6} " + " ".join(f"{k} {v:.1f}s" for k, v in r["phases_s"].items())
               + f" | replay {r.get('replay_tokens')} tok, {r.get('replay_tokens_per_s')} tok/s, MFU {r.get('replay_mfu')}"
+              + f" | optimize backward {r.get('optimize_backward_s')} s (live graph {r.get('live_graph')})"
               + f" | peak {r.get('peak_gb')} | preflight/measured {r.get('preflight_est_vs_measured')}"
               + f" | parity {r.get('parity_mean')}/{r.get('parity_max')}")
         for t in r.get("generate_turns") or []:

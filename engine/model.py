@@ -210,9 +210,14 @@ def attach_adapter(model, adapter_cfg):
 
 
 def adapter_state(peft_model) -> dict[str, torch.Tensor]:
-    from peft import get_peft_model_state_dict
+    """The adapter's weights under PEFT's saved names, copied to the CPU (the tensors get_peft_model_state_dict gives,
+    in its order; read from the parameters directly once they are known: every step saves one)."""
+    params = _adapter_parameters(peft_model)
+    if params is None:
+        from peft import get_peft_model_state_dict
 
-    return {k: v.detach().cpu().clone().contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
+        return {k: v.detach().cpu().clone().contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
+    return {k: p.detach().cpu().clone().contiguous() for k, p in params.items()}
 
 
 def _adapter_parameters(peft_model) -> dict[str, torch.nn.Parameter] | None:

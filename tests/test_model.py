@@ -148,6 +148,10 @@ def test_load_adapter_state_in_place_equals_peft_load(tiny, kind):
             if p.requires_grad:
                 p.normal_(0, 0.05)
     state = M.adapter_state(src)
+    from peft import get_peft_model_state_dict
+
+    peft_state = get_peft_model_state_dict(src)  # the saved state is PEFT's, in PEFT's order
+    assert list(state) == list(peft_state) and all(torch.equal(state[k], peft_state[k]) for k in state)
     fast, ref = fresh(), fresh()
     M.load_adapter_state(fast, state)
     assert M._adapter_parameters(fast) is not None  # the in-place path ran

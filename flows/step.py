@@ -30,74 +30,11 @@ def step_flows():
     """The `grpo-step` flow as the train and rerun flows run it, for all of a run's steps (one context: building
     settings costs ~0.1 s): without a heartbeat thread of its own. The run's top flow keeps Prefect's heartbeat
     (crash detection); a step flow's own thread sleeps in 1-s slices and Prefect joins it when the flow ends, which
-    cost up to a second of every step (bench/trl_compare.py measures what is left).
-
-    Inside it, a step's Prefect artifacts (timings, metrics) are created on a background thread while the next step
-    runs (two API calls off each step's path); every one is created before the context ends, and the first that
-    failed raises then, or at the next step's publish, naming the artifact."""
+    cost up to a second of every step (bench/trl_compare.py measures what is left)."""
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
-    global _PUBLISHER
-    outer, _PUBLISHER = _PUBLISHER, _ArtifactPublisher()
-    try:
-        with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-            yield grpo_step
-    except BaseException:
-        _PUBLISHER.close(raise_errors=False)  # the run's own error is the one to report
-        raise
-    else:
-        _PUBLISHER.close(raise_errors=True)
-    finally:
-        _PUBLISHER = outer
-
-
-class _ArtifactPublisher:
-    """Creates Prefect artifacts on one background thread, each in the run context it was asked from (the step flow
-    run it belongs to). Errors are kept and raised by `check` / `close`, never dropped."""
-
-    def __init__(self) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lgrpo-artifacts")
-        self._pending: list[tuple[str, object]] = []
-
-    def submit(self, what: str, fn, **kwargs) -> None:
-        import contextvars
-
-        self.check()
-        ctx = contextvars.copy_context()
-        self._pending.append((what, self._pool.submit(ctx.run, fn, **kwargs)))
-
-    def check(self, wait: bool = False) -> None:
-        """Raise the first failed artifact creation (of those finished, or of all with `wait`)."""
-        for i, (what, fut) in enumerate(self._pending):
-            if wait or fut.done():
-                exc = fut.exception()  # waits with `wait`
-                if exc is not None:
-                    del self._pending[i]
-                    raise RuntimeError(f"creating the Prefect artifact {what} failed: {exc!r}") from exc
-        self._pending = [(what, fut) for what, fut in self._pending if not fut.done()]
-
-    def close(self, raise_errors: bool) -> None:
-        try:
-            if raise_errors:
-                self.check(wait=True)
-            else:
-                for _, fut in self._pending:
-                    fut.exception()  # wait: the artifacts a failed run did publish are still created
-        finally:
-            self._pool.shutdown(wait=True)
-
-
-_PUBLISHER: _ArtifactPublisher | None = None
-
-
-def _create_artifact(what: str, fn, **kwargs) -> None:
-    """fn(**kwargs) (a Prefect create_*_artifact) now, or on the background publisher inside `step_flows`."""
-    if _PUBLISHER is None:
-        fn(**kwargs)
-    else:
-        _PUBLISHER.submit(what, fn, **kwargs)
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        yield grpo_step
 
 
 def probe_due(cfg, step: int) -> bool:
@@ -370,14 +307,12 @@ def publish(run_dir: str, step: int, kind: str, summaries: list[dict]) -> dict:
     write_json(rd.metrics(step), metrics)
     append_jsonl(rd.metrics_history(), metrics | {"phases": ph}, replace="step")
     curves.write_scalars(run_dir, step, step_metrics.scalars(metrics | {"phases": ph}))
-    _create_artifact(
-        f"step-{step:04d}-timings", create_table_artifact,
+    create_table_artifact(
         key=f"step-{step:04d}-timings",
         table=[{"phase": k, "seconds": v} for k, v in ph.items()],
         description=f"Per-phase wall seconds of {kind} step {step} (measured by the stages)",
     )
-    _create_artifact(
-        f"step-{step:04d}-metrics", create_markdown_artifact,
+    create_markdown_artifact(
         key=f"step-{step:04d}-metrics",
         markdown="| metric | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in metrics.items()),
         description=f"Metrics of step {step}",

@@ -343,37 +343,3 @@ def test_a_cached_stage_whose_artifact_was_corrupted_is_named_and_runs_again(pre
     assert "replay" not in cached and "optimize" in cached, cached
     assert any(str(replay) in m and "corrupted" in m for m in seen), seen
     assert verify(replay) == before
-
-
-def test_step_artifacts_are_created_in_the_background_on_their_flow_run_and_failures_raise(prefect_harness):
-    """Inside `step_flows` a step's artifacts are created on a background thread, attached to the step flow run that
-    asked for them, all before the context ends; one that fails raises, naming it."""
-    from uuid import UUID
-
-    from prefect import flow, get_client
-    from prefect.artifacts import create_markdown_artifact
-    from prefect.runtime import flow_run
-
-    from flows import step as S
-
-    @flow(name="publisher-child")
-    def child(i: int, key: str) -> str:
-        S._create_artifact(f"child-{i}", create_markdown_artifact, key=key, markdown=f"child {i}")
-        return flow_run.id
-
-    @flow(name="publisher-parent")
-    def parent(keys: list[str]) -> list[str]:
-        with S.step_flows():
-            ids = [child(i, k) for i, k in enumerate(keys)]
-            assert S._PUBLISHER is not None
-        assert S._PUBLISHER is None
-        return ids
-
-    keys = [f"bg-artifact-{i}" for i in range(3)]
-    ids = parent(keys)
-    with get_client(sync_client=True) as client:
-        arts = {a.key: a for a in client.read_artifacts() if a.key in keys}
-    assert {k: arts[k].flow_run_id for k in keys} == {k: UUID(i) for k, i in zip(keys, ids)}
-
-    with pytest.raises(Exception, match="child-1"):  # an invalid key: the creation fails on the background thread
-        parent(["bg-ok-0", "Not A Valid Key"])

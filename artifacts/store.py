@@ -194,13 +194,14 @@ def verified_digest(path: PathLike) -> str:
 
     Any write to the file or sidecar -- in place, or an atomic replace (a new inode) -- changes that signature
     (ctime cannot be set back from user space), so the file is hashed and verified again. A digest is remembered
-    only when the timestamps of file and sidecar are older than ``_SETTLED_NS`` at the time of hashing: file
+    only when the timestamps of file and sidecar were older than ``_SETTLED_NS`` when it was first looked at: file
     timestamps come from a coarse clock, so a write within the same tick as the remembered one could otherwise keep
     the signature (the "racy" case git's index also guards against). Readers of artifacts keep calling :func:`verify`."""
     import time
 
     p = Path(path)
     key = str(p.resolve()) if p.exists() else str(p)
+    t0 = time.time_ns()  # settled is judged at the first stat: a write after it gets a later timestamp
     try:
         before = _stat_signature(p)
     except OSError:
@@ -215,7 +216,7 @@ def verified_digest(path: PathLike) -> str:
         after = None
     stamps = [t for x in before for t in (x[3], x[4])]
     settled = _SETTLED_WHOLE_SECONDS_NS if all(t % 1_000_000_000 == 0 for t in stamps) else _SETTLED_NS
-    if after == before and time.time_ns() - max(stamps) > settled:
+    if after == before and t0 - max(stamps) > settled:
         if len(_VERIFIED) >= 65536:  # a long run: forget the old steps' files (they are hashed again if asked)
             _VERIFIED.clear()
         _VERIFIED[key] = (before, digest)

@@ -175,6 +175,63 @@ def verify(path: PathLike) -> str:
     return digest
 
 
+_VERIFIED: dict[str, tuple[tuple, str]] = {}  # path -> (stat signature of file and sidecar, digest)
+# A file whose timestamps are this much older than its hash is settled (see verified_digest): file timestamps come
+# from the kernel's coarse clock (one tick, at most 10 ms at HZ=100); on a file system that keeps whole seconds only,
+# two seconds.
+_SETTLED_NS, _SETTLED_WHOLE_SECONDS_NS = 100_000_000, 2_000_000_000
+
+
+def _stat_signature(p: Path) -> tuple:
+    st, sd = os.stat(p), os.stat(sidecar_path(p))
+    return tuple((x.st_dev, x.st_ino, x.st_size, x.st_mtime_ns, x.st_ctime_ns) for x in (st, sd))
+
+
+def verified_digest(path: PathLike) -> str:
+    """:func:`verify`, remembered in this process while the file and its sidecar keep the same device, inode, size,
+    mtime and ctime (for content-keyed caches that ask for the same artifacts many times: Prefect's cache keys hash
+    every input artifact of every task).
+
+    Any write to the file or sidecar -- in place, or an atomic replace (a new inode) -- changes that signature
+    (ctime cannot be set back from user space), so the file is hashed and verified again. A digest is remembered
+    only when the timestamps of file and sidecar were older than ``_SETTLED_NS`` when it was first looked at: file
+    timestamps come from a coarse clock, so a write within the same tick as the remembered one could otherwise keep
+    the signature (the "racy" case git's index also guards against). Readers of artifacts keep calling :func:`verify`."""
+    import time
+
+    p = Path(path)
+    key = str(p.resolve()) if p.exists() else str(p)
+    t0 = time.time_ns()  # settled is judged at the first stat: a write after it gets a later timestamp
+    try:
+        before = _stat_signature(p)
+    except OSError:
+        return verify(p)  # missing file or sidecar: verify names it
+    hit = _VERIFIED.get(key)
+    if hit is not None and hit[0] == before:
+        return hit[1]
+    digest = verify(p)
+    try:
+        after = _stat_signature(p)
+    except OSError:
+        after = None
+    stamps = [t for x in before for t in (x[3], x[4])]
+    settled = _SETTLED_WHOLE_SECONDS_NS if all(t % 1_000_000_000 == 0 for t in stamps) else _SETTLED_NS
+    if after == before and t0 - max(stamps) > settled:
+        if len(_VERIFIED) >= 65536:  # a long run: forget the old steps' files (they are hashed again if asked)
+            _VERIFIED.clear()
+        _VERIFIED[key] = (before, digest)
+    else:
+        _VERIFIED.pop(key, None)
+    return digest
+
+
+def content_digest(path: PathLike) -> str:
+    """Digest of an artifact file (:func:`verified_digest`) or directory (:func:`dir_digest` over verified
+    digests): what a content-keyed cache hashes."""
+    p = Path(path)
+    return dir_digest(p, verified_digest) if p.is_dir() else verified_digest(p)
+
+
 # --------------------------------------------------------------------------------------------------
 # Arrow tables
 # --------------------------------------------------------------------------------------------------
@@ -457,12 +514,14 @@ def read_jsonl(path: PathLike) -> list[Any]:
 # --------------------------------------------------------------------------------------------------
 
 
-def dir_digest(path: PathLike) -> str:
+def dir_digest(path: PathLike, verify_file: Callable[[PathLike], str] | None = None) -> str:
     """sha256 over a directory of verified artifacts: sorted relative names and their digests.
 
     Every file (recursively) must verify; sidecars are covered through their artifacts, leftover
     temporary files from interrupted writes are ignored, and a sidecar without its artifact is an error.
+    ``verify_file`` (default :func:`verify`) checks one file and returns its digest.
     """
+    verify_file = verify_file or verify
     root = Path(path)
     if not root.is_dir():
         raise ArtifactError(root, "artifact directory is missing", _MISSING_HINT)
@@ -473,7 +532,7 @@ def dir_digest(path: PathLike) -> str:
             if not file.with_name(file.name[: -len(SIDECAR_SUFFIX)]).is_file():
                 raise ArtifactError(file, "sidecar without its artifact")
             continue
-        entries.append(f"{rel}\0{verify(file)}\n")
+        entries.append(f"{rel}\0{verify_file(file)}\n")
     if not entries:
         raise ArtifactError(root, "artifact directory is empty", _MISSING_HINT)
     return hashlib.sha256("".join(["dir-digest-v1\n", *sorted(entries)]).encode()).hexdigest()

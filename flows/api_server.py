@@ -72,6 +72,9 @@ def serve(parent_pid: int, port_file: Path) -> int:
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # accepted connections inherit TCP_NODELAY: without it each small response on a kept-alive connection waited
+    # ~40 ms for the client's delayed ACK (Nagle), and a step makes ~10 such calls in a row (bench/trl_compare.py)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     config = uvicorn.Config("prefect.server.api.server:create_app", factory=True, host="127.0.0.1", port=port,

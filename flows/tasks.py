@@ -17,7 +17,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
 
-from artifacts import RunDir, dir_digest, read_json, verify
+from artifacts import RunDir, content_digest, read_json
 from engine.gates import GateFailed
 
 
@@ -26,8 +26,7 @@ def _content(value: Any) -> Any:
         return None
     if isinstance(value, (list, tuple)):
         return [_content(v) for v in value]
-    p = Path(value)
-    return dir_digest(p) if p.is_dir() else verify(p)
+    return content_digest(value)  # verified; remembered while the files keep their stat signature
 
 
 @lru_cache(maxsize=1)

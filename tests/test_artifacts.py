@@ -271,6 +271,43 @@ def test_dir_digest_and_adapter_replace(tmp_path: Path) -> None:
         dir_digest(target)
 
 
+def test_verified_digest_is_remembered_only_while_file_and_sidecar_are_unchanged(tmp_path: Path, monkeypatch) -> None:
+    """Cache keys ask for the same artifacts' digests many times (content_digest): a settled file is hashed once, and
+    any write to it or its sidecar -- in place (a flipped byte) or an atomic replace -- is hashed and verified again."""
+    from artifacts import store
+
+    calls = []
+    real = store.sha256_file
+    monkeypatch.setattr(store, "sha256_file", lambda p: calls.append(Path(p).name) or real(p))
+    monkeypatch.setattr(store, "_SETTLED_NS", 0)  # the files below are fresh: settle them at once
+    f = tmp_path / "t.json"
+    d1 = write_json(f, {"a": 1})
+    assert store.verified_digest(f) == d1 == verify(f)
+    calls.clear()
+    assert store.verified_digest(f) == d1 and calls == []  # remembered
+    flip_byte(f, 2)  # in place: same size, new mtime/ctime
+    with pytest.raises(ArtifactError, match="t.json"):
+        store.verified_digest(f)
+    d2 = write_json(f, {"a": 2})  # atomic replace
+    assert store.verified_digest(f) == d2 != d1
+    write_adapter_dir(tmp_path / "ad", {"peft_type": "LORA", "r": 4}, {"a": torch.ones(2)})
+    assert store.content_digest(tmp_path / "ad") == dir_digest(tmp_path / "ad")
+    flip_byte(tmp_path / "ad" / "adapter_model.safetensors", -1)
+    with pytest.raises(ArtifactError, match="adapter_model.safetensors"):
+        store.content_digest(tmp_path / "ad")
+
+
+def test_verified_digest_does_not_remember_a_file_written_within_the_clock_tick(tmp_path: Path) -> None:
+    """A file written just now may be written again within the same coarse timestamp tick with the same size: its
+    digest is not remembered until its timestamps are settled."""
+    from artifacts import store
+
+    f = tmp_path / "t.json"
+    write_json(f, {"a": 1})
+    store.verified_digest(f)
+    assert str(f.resolve()) not in store._VERIFIED
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_adapter_dir_loads_with_peft_bitwise(tmp_path: Path) -> None:

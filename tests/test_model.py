@@ -129,6 +129,44 @@ def test_adapter_dir_roundtrip_with_peft(tiny, tmp_path):
         assert torch.equal(loaded(input_ids=x).logits, model(input_ids=x).logits)
 
 
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_load_adapter_state_in_place_equals_peft_load(tiny, kind):
+    """The in-place copy of a saved adapter state gives the parameters PEFT's set_peft_model_state_dict gives, bit for
+    bit (LoRA and DoRA); a state with a key too many or with another dtype goes through PEFT, a missing one raises."""
+    from peft import set_peft_model_state_dict
+
+    cfg, tok, toks, _, _ = tiny
+    adapter = cfg.adapter.model_copy(update={"type": kind})
+
+    def fresh():
+        torch.manual_seed(1)
+        return M.attach_adapter(M.build_random_model(cfg.model.arch, len(tok), toks.pad, toks.eos, seed=0), adapter)
+
+    src = fresh()
+    with torch.no_grad():
+        for n, p in src.named_parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.05)
+    state = M.adapter_state(src)
+    from peft import get_peft_model_state_dict
+
+    peft_state = get_peft_model_state_dict(src)  # the saved state is PEFT's, in PEFT's order
+    assert list(state) == list(peft_state) and all(torch.equal(state[k], peft_state[k]) for k in state)
+    fast, ref = fresh(), fresh()
+    M.load_adapter_state(fast, state)
+    assert M._adapter_parameters(fast) is not None  # the in-place path ran
+    set_peft_model_state_dict(ref, state)
+    a, b = dict(fast.named_parameters()), dict(ref.named_parameters())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], dict(fresh().named_parameters())[k]) for k in a if a[k].requires_grad)
+    half = {k: v.double() for k, v in state.items()}  # another dtype: PEFT's load casts, as before
+    M.load_adapter_state(fast, half)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    missing = dict(list(state.items())[1:])
+    with pytest.raises(ValueError, match="missing"):
+        M.load_adapter_state(fast, missing)
+
+
 def test_answer_text_shows_ids_the_tokenizer_lacks_and_drops_the_closing_eos(tiny):
     from stages.generate import answer_text
 

@@ -62,20 +62,26 @@ def _die_with_parent(parent_pid: int, on_gone) -> None:
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
-def serve(parent_pid: int, port_file: Path) -> int:
+def listening_socket():
+    """The server's socket on a free local port. Accepted connections inherit TCP_NODELAY: without it each small
+    response on a kept-alive connection waited ~40 ms for the client's delayed ACK (Nagle), and a step makes ~10 such
+    calls in a row (bench/trl_compare.py: GET /health 44 -> 2 ms)."""
     import socket
 
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+def serve(parent_pid: int, port_file: Path) -> int:
     import uvicorn
     from prefect.settings import get_current_settings
 
     Path(get_current_settings().home).mkdir(parents=True, exist_ok=True)  # its SQLite database lives there
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    # accepted connections inherit TCP_NODELAY: without it each small response on a kept-alive connection waited
-    # ~40 ms for the client's delayed ACK (Nagle), and a step makes ~10 such calls in a row (bench/trl_compare.py)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind(("127.0.0.1", 0))
+    sock = listening_socket()
     port = sock.getsockname()[1]
     config = uvicorn.Config("prefect.server.api.server:create_app", factory=True, host="127.0.0.1", port=port,
                             log_level="error", lifespan="on")

@@ -1,18 +1,38 @@
-"""The run's own Prefect API server (flows/api_server.py): answers fast on a kept-alive connection."""
+"""The run's own Prefect API server (flows/api_server.py): its connections do not wait for delayed ACKs.
+
+The latency itself (GET /health 44 -> 2 ms on a kept-alive connection) is a benchmark figure
+(bench/trl_compare.py, bench/results/cpu-trl-compare-2026-12-02.json); here: the option that causes it, on the
+connections the server accepts, and a server that answers on a kept-alive connection."""
 
 from __future__ import annotations
 
-import statistics
-import time
+import socket
 
 import pytest
 
 
+def test_connections_the_server_accepts_have_tcp_nodelay():
+    """Without TCP_NODELAY every small response after the first on a kept-alive connection waited ~40 ms for the
+    client's delayed ACK (Nagle); a GRPO step makes ~10 such calls in a row."""
+    from flows.api_server import listening_socket
+
+    srv = listening_socket()
+    try:
+        srv.listen(1)
+        assert srv.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+        cli = socket.create_connection(srv.getsockname())
+        conn, _ = srv.accept()
+        try:
+            assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+        finally:
+            conn.close()
+            cli.close()
+    finally:
+        srv.close()
+
+
 @pytest.mark.slow
-def test_kept_alive_requests_do_not_wait_for_delayed_acks(monkeypatch):
-    """Each request on a kept-alive connection answers in a few ms. Without TCP_NODELAY on the server's socket every
-    small response after the first waited ~40 ms for the client's delayed ACK (Nagle), which cost a GRPO step ~10
-    such waits."""
+def test_the_server_answers_repeated_requests_on_one_kept_alive_connection(monkeypatch):
     import httpx
 
     from flows.api_server import api_server
@@ -20,9 +40,5 @@ def test_kept_alive_requests_do_not_wait_for_delayed_acks(monkeypatch):
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     with api_server() as url, httpx.Client() as client:
-        times = []
-        for _ in range(12):
-            t0 = time.perf_counter()
-            assert client.get(url + "/health").status_code == 200
-            times.append(time.perf_counter() - t0)
-    assert statistics.median(times[1:]) < 0.025, [round(t * 1000, 1) for t in times]
+        codes = [client.get(url + "/health").status_code for _ in range(5)]
+    assert codes == [200] * 5

@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -197,8 +198,6 @@ def verified_digest(path: PathLike) -> str:
     only when the timestamps of file and sidecar were older than ``_SETTLED_NS`` when it was first looked at: file
     timestamps come from a coarse clock, so a write within the same tick as the remembered one could otherwise keep
     the signature (the "racy" case git's index also guards against). Readers of artifacts keep calling :func:`verify`."""
-    import time
-
     p = Path(path)
     key = str(p.resolve()) if p.exists() else str(p)
     t0 = time.time_ns()  # settled is judged at the first stat: a write after it gets a later timestamp

@@ -159,8 +159,8 @@ def test_load_adapter_state_in_place_equals_peft_load(tiny, kind):
     a, b = dict(fast.named_parameters()), dict(ref.named_parameters())
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], dict(fresh().named_parameters())[k]) for k in a if a[k].requires_grad)
-    half = {k: v.double() for k, v in state.items()}  # another dtype: PEFT's load casts, as before
-    M.load_adapter_state(fast, half)
+    wider = {k: v.double() for k, v in state.items()}  # another dtype: PEFT's load casts, as before
+    M.load_adapter_state(fast, wider)
     assert all(torch.equal(a[k], b[k]) for k in a)
     missing = dict(list(state.items())[1:])
     with pytest.raises(ValueError, match="missing"):

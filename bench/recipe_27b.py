@@ -165,13 +165,15 @@ def main(argv=None) -> dict:
 
     # -- models ------------------------------------------------------------------------------------------------------
     base, res["build_s"] = timed(dev, lambda: build_random(arch, vocab, dev, dtype, a.seed))
-    from engine import adapter_kernels, gdn, norm_kernels
+    from engine import adapter_kernels, attention_kernels, gdn, norm_kernels
 
     # the choices engine.runtime.build makes, before the first forward and before any graph is captured
     res["kernels"] = {"gdn": gdn.install(a.kernels, base.config, dev),
                       "adapter_epilogue": adapter_kernels.install(a.kernels, dev),
                       "adapter_step": adapter_kernels.install_step(a.kernels, dev),
-                      "rmsnorm": norm_kernels.install(a.kernels, dev)}
+                      "rmsnorm": norm_kernels.install(a.kernels, dev),
+                      "decode_attention": attention_kernels.install(a.kernels, dev)}
+    res["decode_attention_qualification"] = attention_kernels._STATE.get("qualification")
     res["params"] = sum(p_.numel() for p_ in base.parameters())
     acfg = cfg27.adapter
     if a.base == "nf4":
@@ -392,11 +394,21 @@ def profile_section(a, trainer, prefixes, history, tcache, capacity, K, sigma, s
         rs = PC.prefill_rows(trainer, prefixes, tcache, bounds)
     out = {"latent_replay_ms_by_attention": {}}
     g = torch.Generator(device=dev).manual_seed(9)
-    for attn in ("hf", "gqa"):
-        lp = CG.GraphedLatentLoop(trainer, capacity=capacity, graphed=True, profile=True, attention=attn)
-        lp.run_rows(rs, K, sigma, scale, toks, g)  # warm-up + capture
-        lp.reset_stats()
-        lp.run_rows(rs, K, sigma, scale, toks, g)  # replay only
+    from engine import attention_kernels as AT
+
+    fused = set(AT._STATE["devices"])
+    # gqa: the decode attention kernels where they qualified; gqa-torch: the same route on the FP32 PyTorch path
+    for attn in ("hf", "gqa", "gqa-torch"):
+        if attn == "gqa-torch":
+            AT._STATE["devices"].clear()
+        try:
+            lp = CG.GraphedLatentLoop(trainer, capacity=capacity, graphed=True, profile=True,
+                                      attention=attn.split("-")[0])
+            lp.run_rows(rs, K, sigma, scale, toks, g)  # warm-up + capture
+            lp.reset_stats()
+            lp.run_rows(rs, K, sigma, scale, toks, g)  # replay only
+        finally:
+            AT._STATE["devices"].update(fused)
         t, c = lp.stats()["times_s"], lp.stats()["counts"]
         out["latent_replay_ms_by_attention"][attn] = round(1e3 * t["replay"] / c["replay"], 2)
         del lp

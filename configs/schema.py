@@ -51,6 +51,12 @@ class ModelConfig(_Strict):
                             "gradient) where they qualify on this GPU -- as accurate against FP64 as transformers' FP32 "
                             "expressions, not bit for bit theirs (one log line otherwise) -- transformers' expressions "
                             "on the CPU; torch = transformers' expressions always")
+    attention_kernels: Literal["auto", "torch"] = Field(
+        "auto", description="attention of short queries over the static K/V cache (latent loop and decode: "
+                            "engine/attention_kernels.py): auto = two Triton kernels reading the BF16 K/V in place, "
+                            "FP32 softmax and P·V, where they qualify on this GPU -- as accurate against FP64 as the "
+                            "FP32 PyTorch path, not bit for bit it (the sums run in another order) -- the PyTorch path "
+                            "on the CPU; torch = the FP32 PyTorch path always (FP32 copies of K and V every step)")
     init_seed: int = Field(0, description="seed of the random initialization (tiny / random)")
     attention_fp32: bool = Field(
         False, description="attention cores (QK^T, softmax, P·V) in FP32 in the trainer and the hf sampler, in every "

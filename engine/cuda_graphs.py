@@ -45,6 +45,7 @@ import time
 import torch
 
 from engine import adapter_kernels as AK
+from engine import attention_kernels as AT
 from engine.answers import sampling_loop
 from engine.latent import thought_step
 from engine.model import Tokens, _parts, cache_kw, left_pad
@@ -65,24 +66,13 @@ def gqa_attention(module, query, key, value, attention_mask, dropout: float = 0.
     """Attention for short queries on a long static cache: the query heads grouped by their KV head instead of
     materializing repeat_kv copies of K and V (B x heads x max_len x head_dim, twice per layer and step, which is
     what transformers' sdpa path does whenever a mask is passed). Scores, softmax and P @ V in fp32 (the bf16 K/V
-    values are exact in fp32): at least as precise as SDPA's fp32 accumulation, unlike eager bf16 scores.
+    values are exact in fp32): at least as precise as SDPA's fp32 accumulation, unlike eager bf16 scores. On a GPU
+    where engine.attention_kernels qualified, two Triton kernels do the same arithmetic reading the BF16 K/V in place.
     query (B, H, q, hd), key/value (B, kvh, L, hd), mask (B, 1, q, L) bool (True = attend) or additive.
     Returns ((B, q, H, hd) in the query dtype, None) like the sdpa/eager interfaces."""
-    B, H, q, hd = query.shape
-    kvh, L = key.shape[1], key.shape[2]
-    g = H // kvh
     if scaling is None:
-        scaling = hd ** -0.5
-    qf = query.reshape(B, kvh, g * q, hd).float()
-    w = torch.matmul(qf, key.transpose(-1, -2).float()) * scaling  # (B, kvh, g*q, L) fp32
-    if attention_mask is not None:
-        w = w.view(B, kvh, g, q, L)
-        m = attention_mask[:, :, None]  # (B, 1, 1, q, L)
-        w = w.masked_fill(~m, torch.finfo(w.dtype).min) if m.dtype == torch.bool else w + m.float()
-        w = w.view(B, kvh, g * q, L)
-    p = torch.softmax(w, dim=-1)
-    out = torch.matmul(p, value.float()).to(query.dtype)  # (B, kvh, g*q, hd)
-    return out.view(B, H, q, hd).transpose(1, 2).contiguous(), None
+        scaling = query.shape[-1] ** -0.5
+    return AT.attention(query, key, value, attention_mask, scaling), None
 
 
 class _AttentionOverride:

@@ -165,7 +165,7 @@ def main(argv=None) -> dict:
 
     # -- models ------------------------------------------------------------------------------------------------------
     base, res["build_s"] = timed(dev, lambda: build_random(arch, vocab, dev, dtype, a.seed))
-    from engine import adapter_kernels, attention_kernels, gdn, norm_kernels
+    from engine import adapter_kernels, attention_kernels, gdn, nf4_kernels, norm_kernels
 
     # the choices engine.runtime.build makes, before the first forward and before any graph is captured
     res["kernels"] = {"gdn": gdn.install(a.kernels, base.config, dev),
@@ -174,6 +174,9 @@ def main(argv=None) -> dict:
                       "rmsnorm": norm_kernels.install(a.kernels, dev),
                       "decode_attention": attention_kernels.install(a.kernels, dev)}
     res["decode_attention_qualification"] = attention_kernels._STATE.get("qualification")
+    if a.base == "nf4":
+        res["kernels"]["nf4_step"] = nf4_kernels.install(a.kernels, dev)
+        res["nf4_step_qualification"] = nf4_kernels._STATE.get("qualification")
     res["params"] = sum(p_.numel() for p_ in base.parameters())
     acfg = cfg27.adapter
     if a.base == "nf4":

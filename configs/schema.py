@@ -57,6 +57,13 @@ class ModelConfig(_Strict):
                             "FP32 softmax and P·V, where they qualify on this GPU -- as accurate against FP64 as the "
                             "FP32 PyTorch path, not bit for bit it (the sums run in another order) -- the PyTorch path "
                             "on the CPU; torch = the FP32 PyTorch path always (FP32 copies of K and V every step)")
+    nf4_kernels: Literal["auto", "torch"] = Field(
+        "auto", description="NF4 projections of single-token steps (at most 16 rows, no gradient: "
+                            "engine/nf4_kernels.py): auto = one Triton kernel that dequantizes the 4-bit weights in "
+                            "registers -- bit for bit bitsandbytes' dequantized values, products summed in FP32 in "
+                            "another order than cuBLAS's -- where it qualifies on this GPU; bitsandbytes' forward "
+                            "everywhere else (prefill, replay, CPU); torch = bitsandbytes' forward always "
+                            "(it writes the whole BF16 weight out for 2-16 rows)")
     init_seed: int = Field(0, description="seed of the random initialization (tiny / random)")
     attention_fp32: bool = Field(
         False, description="attention cores (QK^T, softmax, P·V) in FP32 in the trainer and the hf sampler, in every "

@@ -367,6 +367,10 @@ def main(argv=None) -> dict:
         res["profile"] = (profile_section(a, thinker, prefixes, history, tcache, capacity, K, sigma, scale, toks, dev)
                           if graphed else {})
         res["profile"]["decode"] = profile_decode(a, sampler, prefixes, history, scache, capacity, K, toks, dev)
+        if graphed and a.base == "nf4" and thinker is not trainer:
+            scache.clear()
+            res["profile"]["trainer_latent"] = profile_trainer_latent(a, trainer, prefixes, history, capacity, K,
+                                                                      sigma, scale, toks, dev)
     res["wall_s"] = round(time.perf_counter() - t_start, 1)
     if graphed:
         res["gpu_peak_gb"] = round(torch.cuda.max_memory_allocated(dev) / 1e9, 2)
@@ -419,6 +423,46 @@ def profile_section(a, trainer, prefixes, history, tcache, capacity, K, sigma, s
     ev.run_rows(rs, 2, sigma, scale, toks, g)
     with ev._adapter(), torch.no_grad():
         out.update(kernel_profile(ev._step, dev))
+    return out
+
+
+def profile_trainer_latent(a, trainer, prefixes, history, capacity, K, sigma, scale, toks, dev) -> dict:
+    """The latent step on the NF4 trainer itself (latent.engine: trainer), graphed, with the NF4 small-batch kernel
+    (engine/nf4_kernels.py) and with bitsandbytes' forward, side by side; and a kernel profile of its eager step
+    with the kernel. Where the NF4 kernel did not qualify both rows are bitsandbytes'."""
+    import torch
+
+    from engine import cuda_graphs as CG
+    from engine import nf4_kernels as NK
+    from engine import prefix_cache as PC
+
+    B = len(prefixes)
+    bounds = [[len(h[i]) for h in history] for i in range(B)]
+    cache = PC.PrefixCache(8 << 30)
+    with CG.FrozenAdapter(trainer):
+        rs = PC.prefill_rows(trainer, prefixes, cache, bounds)
+    out = {"nf4_kernel_installed": bool(NK._STATE["devices"]), "latent_replay_ms": {}}
+    fused = set(NK._STATE["devices"])
+    g = torch.Generator(device=dev).manual_seed(11)
+    for mode in ("nf4_kernel", "bitsandbytes"):
+        if mode == "bitsandbytes":
+            NK._STATE["devices"].clear()
+        try:
+            lp = CG.GraphedLatentLoop(trainer, capacity=capacity, graphed=True, profile=True, attention=a.attention)
+            lp.run_rows(rs, K, sigma, scale, toks, g)  # warm-up + capture
+            lp.reset_stats()
+            lp.run_rows(rs, K, sigma, scale, toks, g)  # replay only
+        finally:
+            NK._STATE["devices"].update(fused)
+        t, c = lp.stats()["times_s"], lp.stats()["counts"]
+        out["latent_replay_ms"][mode] = round(1e3 * t["replay"] / c["replay"], 2)
+        del lp
+    ev = CG.GraphedLatentLoop(trainer, capacity=capacity, graphed=False, attention=a.attention)
+    ev.run_rows(rs, 2, sigma, scale, toks, g)
+    with ev._adapter(), torch.no_grad():
+        out.update(kernel_profile(ev._step, dev))
+    out["floor_ms"] = round(weight_bytes(trainer) / HBM_BYTES_PER_S * 1e3, 2)
+    del ev, rs, cache
     return out
 
 

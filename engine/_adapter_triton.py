@@ -79,17 +79,20 @@ def step_h(x_ptr, a_ptr, part_ptr, n_rows, n_in, n_rank, K_CHUNK: tl.constexpr, 
 
 
 @triton.jit
-def step_out(part_ptr, b_ptr, r_ptr, ms_ptr, bias_ptr, out_ptr, n_rows, n_cols, n_rank, s,
+def step_out(part_ptr, b_ptr, r_ptr, ms_ptr, bias_ptr, out_ptr, n_rows, n_cols, n_rank, part_off, part_stride, s,
              N_CHUNKS: tl.constexpr, DORA: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_LORA: tl.constexpr,
              BM: tl.constexpr, BC: tl.constexpr, RP: tl.constexpr):
     """Single-token steps, part 2: h = the chunks' partials summed in order, the LoRA term B h (FP32) of this
-    program's BC output columns for every row, combined with the base output as `fwd` does."""
+    program's BC output columns for every row, combined with the base output as `fwd` does. The partials of this
+    projection are ranks [part_off, part_off + n_rank) of rows part_stride wide (sibling projections' ranks side
+    by side when one step_h served them all)."""
     m1 = tl.arange(0, BM)
     rk = tl.arange(0, RP)
     hmask = (m1[:, None] < n_rows) & (rk[None, :] < n_rank)
-    h = tl.load(part_ptr + m1[:, None] * n_rank + rk[None, :], mask=hmask, other=0.0)
+    h = tl.load(part_ptr + part_off + m1[:, None] * part_stride + rk[None, :], mask=hmask, other=0.0)
     for c in tl.static_range(1, N_CHUNKS):
-        h += tl.load(part_ptr + (c * BM + m1[:, None]) * n_rank + rk[None, :], mask=hmask, other=0.0)
+        h += tl.load(part_ptr + part_off + (c * BM + m1[:, None]) * part_stride + rk[None, :], mask=hmask,
+                     other=0.0)
     cols1 = tl.program_id(0) * BC + tl.arange(0, BC)
     b = tl.load(b_ptr + cols1[:, None].to(tl.int64) * n_rank + rk[None, :],
                 mask=(cols1[:, None] < n_cols) & (rk[None, :] < n_rank), other=0.0)

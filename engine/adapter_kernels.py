@@ -157,29 +157,47 @@ def step_torch(result, x, A, B, ms, bias, s: float, dora: bool, round_lora: bool
     return (epilogue_fused if enabled(result) else epilogue_torch)(result, lo, ms, bias, s, dora, round_lora)
 
 
-def step_fused(result, x, A, B, ms, bias, s: float, dora: bool, round_lora: bool):
-    """result: the base output (.., out) BF16; x: the input (.., in); A (r, in), B (out, r) FP32; ms (1, out) or
-    None. Rows (the product of the leading dims) at most STEP_ROWS."""
-    _need_bf16(result)
+def step_h(x, A):
+    """Part 1 alone: the FP32 partials of h = A x per input chunk, (n_chunks, BM, rank), for x (.., in) of at most
+    STEP_ROWS rows. A may stack sibling projections' A matrices (same input): each rank row is computed exactly as
+    it would be alone, so `step_fused(..., part=...)` of each sibling gives its own result bit for bit."""
     k = _kernels()
-    shape = result.shape
-    n_out, n_in = shape[-1], x.shape[-1]
-    x2, r2 = x.reshape(-1, n_in).contiguous(), result.reshape(-1, n_out).contiguous()
+    n_in = x.shape[-1]
+    x2 = x.reshape(-1, n_in).contiguous()
     n_rows, rank = x2.shape[0], A.shape[0]
     if n_rows > STEP_ROWS:
         raise ValueError(f"step kernels take at most {STEP_ROWS} rows, got {n_rows}")
-    BM, RP = _pow2(n_rows), _pow2(rank)
+    BM = _pow2(n_rows)
     n_chunks = (n_in + STEP_K_CHUNK - 1) // STEP_K_CHUNK
     part = torch.empty(n_chunks, BM, rank, dtype=torch.float32, device=x2.device)
     _launch(k["step_h"], (rank, n_chunks), x2, A.contiguous(), part, n_rows, n_in, rank, K_CHUNK=STEP_K_CHUNK,
             BM=BM, BK=STEP_BK)
+    return part
+
+
+def step_fused(result, x, A, B, ms, bias, s: float, dora: bool, round_lora: bool, part=None, part_off: int = 0):
+    """result: the base output (.., out) BF16; x: the input (.., in); A (r, in), B (out, r) FP32; ms (1, out) or
+    None. Rows (the product of the leading dims) at most STEP_ROWS. part: step_h's partials already computed for
+    x (with this projection's ranks at part_off; from a stacked sibling A), or None to compute them here."""
+    _need_bf16(result)
+    k = _kernels()
+    shape = result.shape
+    n_out, n_in = shape[-1], x.shape[-1]
+    r2 = result.reshape(-1, n_out).contiguous()
+    n_rows, rank = r2.shape[0], A.shape[0]
+    if part is None:
+        part = step_h(x, A)
+    n_chunks, BM, stride = part.shape
+    if n_rows > STEP_ROWS or BM != _pow2(n_rows) or n_chunks != (n_in + STEP_K_CHUNK - 1) // STEP_K_CHUNK:
+        raise ValueError(f"step kernels: partials {tuple(part.shape)} do not fit {n_rows} rows of width {n_in}")
+    RP = _pow2(rank)
     BC = max(16, min(128, 4096 // (BM * RP)))
     out = torch.empty_like(r2)
     ms_ = ms.reshape(-1).contiguous() if dora else r2
     bias_ = bias.contiguous() if (dora and bias is not None) else r2
     _launch(k["step_out"], ((n_out + BC - 1) // BC,), part, B.contiguous(), r2, ms_, bias_, out, n_rows, n_out, rank,
-            float(s), N_CHUNKS=n_chunks, DORA=bool(dora), HAS_BIAS=bool(dora and bias is not None),
-            ROUND_LORA=bool(round_lora and not dora), BM=BM, BC=BC, RP=RP)
+            int(part_off), int(stride), float(s), N_CHUNKS=n_chunks, DORA=bool(dora),
+            HAS_BIAS=bool(dora and bias is not None), ROUND_LORA=bool(round_lora and not dora), BM=BM, BC=BC, RP=RP)
     return out.reshape(shape)
 
 

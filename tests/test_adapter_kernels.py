@@ -130,6 +130,67 @@ def test_frozen_adapter_takes_the_step_kernels_on_few_rows_only():
     assert r["40"]["launched"] == 0 and r["40"]["equal"], r
 
 
+def test_sibling_projections_share_one_step_h_with_the_same_bits():
+    """q/k/v-style siblings (one input, one parent module) with the step kernels: FrozenAdapter stacks their A
+    matrices and launches one step_h for the group, then one step_out each -- outputs equal bit for bit to each
+    projection alone (one step_h each); a new input (or an in-place change of it) recomputes the partials; a new
+    adapter version (sync) restacks A."""
+    r = _interpreted("""
+        import json, torch
+        from peft import LoraConfig, get_peft_model
+        from engine import adapter_kernels as AK
+        from engine.cuda_graphs import FrozenAdapter
+        torch.manual_seed(0)
+        class Attn(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.q_proj = torch.nn.Linear(300, 130, bias=False)
+                self.k_proj = torch.nn.Linear(300, 40, bias=False)
+                self.v_proj = torch.nn.Linear(300, 40, bias=False)
+                self.o_proj = torch.nn.Linear(130, 300, bias=False)
+            def forward(self, x):
+                return self.q_proj(x).sum(-1) + self.k_proj(x).sum(-1) * self.v_proj(x).sum(-1)
+        net = torch.nn.Sequential()
+        net.add_module("self_attn", Attn())
+        net = net.to(torch.bfloat16)
+        model = get_peft_model(net, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj"],
+                                               use_dora=True))
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.05)
+        model.eval()
+        AK.reset()
+        AK._STATE["step_devices"].add("cpu")
+        x = torch.randn(4, 1, 300).bfloat16()
+        att = model.base_model.model.self_attn
+        with torch.no_grad():
+            fa = FrozenAdapter(model)
+            groups = sorted({g for g, _ in fa.siblings.values()})
+            with fa:
+                n0 = AK._STATE["launches"]
+                got = [att.q_proj(x), att.k_proj(x), att.v_proj(x)]
+                launched = AK._STATE["launches"] - n0
+                x2 = x.clone()
+                again = [att.q_proj(x2), att.k_proj(x2)]
+                x2.mul_(2)
+                changed = att.v_proj(x2)
+            fa.siblings.clear()  # each projection alone: one step_h each
+            with fa:
+                n1 = AK._STATE["launches"]
+                alone = [att.q_proj(x), att.k_proj(x), att.v_proj(x)]
+                launched_alone = AK._STATE["launches"] - n1
+                v2_alone = att.v_proj(x2)
+        AK.reset()
+        print(json.dumps({"groups": groups, "launched": launched, "launched_alone": launched_alone,
+                          "equal": [torch.equal(a, b) for a, b in zip(got, alone)],
+                          "again_equal": [torch.equal(a, b) for a, b in zip(again, alone)],
+                          "changed_equal": torch.equal(changed, v2_alone)}))
+    """)
+    assert len(r["groups"]) == 1, r
+    assert r["launched"] == 1 + 3 and r["launched_alone"] == 3 + 3, r  # one step_h for the group, a step_out each
+    assert all(r["equal"]) and all(r["again_equal"]) and r["changed_equal"], r
+
+
 def test_install_keeps_the_pytorch_expressions_on_a_cpu_and_rejects_unknown_modes():
     from engine import adapter_kernels as AK
 

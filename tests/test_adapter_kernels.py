@@ -222,4 +222,10 @@ def test_installed_for_cuda_the_fused_path_is_used_by_tensors_on_that_device():
     assert AK.install_step("auto", "cuda") == "fused", AK.qualify_step(torch.device("cuda"))
     assert AK.step_enabled(torch.zeros(4, 1, 8, dtype=torch.bfloat16, device="cuda"))
     assert not AK.step_enabled(torch.zeros(17, 8, dtype=torch.bfloat16, device="cuda"))  # a prefill: PyTorch path
+    # sibling projections' stacked step_h gives each projection's partials bit for bit as alone (27B widths)
+    x = torch.randn(4, 1, 5120, device="cuda").bfloat16()
+    As = [torch.randn(16, 5120, device="cuda") * 0.01 for _ in range(3)]
+    part = AK.step_h(x, torch.cat(As, 0))
+    for i, A in enumerate(As):
+        assert torch.equal(part[..., 16 * i:16 * (i + 1)], AK.step_h(x, A))
     AK.reset()

@@ -126,6 +126,10 @@ def main(argv=None) -> dict:
     p.add_argument("--kernels", choices=["auto", "torch"], default="auto",
                    help="GDN, adapter-epilogue, adapter-step and RMSNorm kernels as the trainer chooses them (engine.runtime.build: "
                         "qualified fused kernels where they pass, one log line otherwise), or PyTorch everywhere")
+    p.add_argument("--attention-kernels", choices=["auto", "torch"], default=None,
+                   help="the decode attention kernels (model.attention_kernels; default: the config's, torch)")
+    p.add_argument("--nf4-kernels", choices=["auto", "torch"], default=None,
+                   help="the NF4 small-batch kernel (model.nf4_kernels; default: the config's, torch)")
     p.add_argument("--latent-engine", choices=["auto", "trainer", "sampler"], default="auto",
                    help="the model the latent loop runs on (configs latent.engine): auto = the sampler's BF16 export "
                         "for --base nf4 (one prefill per row then serves thoughts and answers), the trainer for bf16")
@@ -172,10 +176,13 @@ def main(argv=None) -> dict:
                       "adapter_epilogue": adapter_kernels.install(a.kernels, dev),
                       "adapter_step": adapter_kernels.install_step(a.kernels, dev),
                       "rmsnorm": norm_kernels.install(a.kernels, dev),
-                      "decode_attention": attention_kernels.install(a.kernels, dev)}
+                      "decode_attention": attention_kernels.install(
+                          "torch" if a.kernels == "torch" else a.attention_kernels or cfg27.model.attention_kernels,
+                          dev)}
     res["decode_attention_qualification"] = attention_kernels._STATE.get("qualification")
     if a.base == "nf4":
-        res["kernels"]["nf4_step"] = nf4_kernels.install(a.kernels, dev)
+        res["kernels"]["nf4_step"] = nf4_kernels.install(
+            "torch" if a.kernels == "torch" else a.nf4_kernels or cfg27.model.nf4_kernels, dev)
         res["nf4_step_qualification"] = nf4_kernels._STATE.get("qualification")
     res["params"] = sum(p_.numel() for p_ in base.parameters())
     acfg = cfg27.adapter

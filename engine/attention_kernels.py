@@ -19,6 +19,12 @@ split layout depends on the cache length only and the rows of a block do not mix
 on the batch size or the number of query tokens around it. Graphed and eager static steps run the same kernels, so
 their bitwise contract (engine/cuda_graphs.py) holds.
 
+Status (measured on one H200 at 01d680a, bench/results/h200-recipe-27b-nf4-attn-nf4-kernels-2026-12-02.json): the
+kernels qualify (errors equal to the PyTorch path's to 7 digits) but are slower: split_pass takes 0.86 ms per layer
+(the 27B latent step 35.97 ms graphed against 27.12 ms on the PyTorch path). Likely causes, not yet measured apart:
+the IEEE FP32 dot of P @ V (no tensor cores), a 16 x 256 FP32 accumulator per program, 4 sequential key blocks per
+split. Hence model.attention_kernels defaults to torch until they are tuned.
+
 Use: `install(mode, device)` once per process before a static decoder captures a graph (engine.runtime does, beside
 the norm and adapter choices; model.attention_kernels). mode auto qualifies the kernels on the device against an
 FP64 evaluation (relative L2 within 1.25x of the PyTorch path's error plus 1e-6, largest error within 2x; and a row

@@ -17,6 +17,13 @@ differs from cuBLAS's: not bit for bit bitsandbytes' result, as accurate (the qu
 in-register weights equal dequantize_4bit's bit for bit, and the outputs against FP64 are within 1.25x of the
 dequantize-then-matmul path's error). A row's result does not depend on the other rows (fixed per-shape layout).
 
+Status (measured on one H200 at 01d680a, bench/results/h200-recipe-27b-nf4-attn-nf4-kernels-2026-12-02.json):
+qualified -- the in-register weights equal dequantize_4bit's bit for bit on every 27B shape -- but far slower: the
+NF4 trainer's latent step takes 445 ms with the kernel against 58 ms with bitsandbytes (0.85 ms per projection;
+floor 3.24 ms for all). Each weight element gathers its table entry, absmax byte, absmax2 and code2 value from
+memory; the fix is to load one absmax per 64-element block and look the 16 levels up in registers. Hence
+model.nf4_kernels defaults to torch until it is tuned.
+
 Use: `install(mode, device)` once per process before a static decoder captures a graph (engine.runtime does;
 model.nf4_kernels). It patches bitsandbytes' Linear4bit.forward: inputs of at most STEP_ROWS rows, BF16, not
 needing a gradient, on a device where the kernel qualified, take the kernel; everything else (prefill, replay with

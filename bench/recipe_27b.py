@@ -410,27 +410,45 @@ def profile_section(a, trainer, prefixes, history, tcache, capacity, K, sigma, s
     g = torch.Generator(device=dev).manual_seed(9)
     from engine import attention_kernels as AT
 
-    fused = set(AT._STATE["devices"])
     # gqa: the decode attention kernels where they qualified; gqa-torch: the same route on the FP32 PyTorch path
     for attn in ("hf", "gqa", "gqa-torch"):
-        if attn == "gqa-torch":
-            AT._STATE["devices"].clear()
-        try:
-            lp = CG.GraphedLatentLoop(trainer, capacity=capacity, graphed=True, profile=True,
-                                      attention=attn.split("-")[0])
-            lp.run_rows(rs, K, sigma, scale, toks, g)  # warm-up + capture
-            lp.reset_stats()
-            lp.run_rows(rs, K, sigma, scale, toks, g)  # replay only
-        finally:
-            AT._STATE["devices"].update(fused)
-        t, c = lp.stats()["times_s"], lp.stats()["counts"]
-        out["latent_replay_ms_by_attention"][attn] = round(1e3 * t["replay"] / c["replay"], 2)
-        del lp
-    ev = CG.GraphedLatentLoop(trainer, capacity=capacity, graphed=False, attention=a.attention)
+        out["latent_replay_ms_by_attention"][attn] = latent_replay_ms(
+            trainer, rs, capacity, K, sigma, scale, toks, g, attn.split("-")[0],
+            without=AT._STATE["devices"] if attn == "gqa-torch" else None)
+    out.update(eager_step_profile(a, trainer, rs, capacity, sigma, scale, toks, g, dev))
+    return out
+
+
+def latent_replay_ms(model, rs, capacity, K, sigma, scale, toks, g, attention, without: set | None = None) -> float:
+    """ms per graphed latent step (replay only, after a warm-up + capture call) on prefilled rows `rs`; `without`:
+    a kernel family's set of qualified devices, emptied while this loop is built and captured (its fallback runs)."""
+    from engine import cuda_graphs as CG
+
+    saved = set(without) if without is not None else set()
+    if without is not None:
+        without.clear()
+    try:
+        lp = CG.GraphedLatentLoop(model, capacity=capacity, graphed=True, profile=True, attention=attention)
+        lp.run_rows(rs, K, sigma, scale, toks, g)  # warm-up + capture
+        lp.reset_stats()
+        lp.run_rows(rs, K, sigma, scale, toks, g)  # replay only
+    finally:
+        if without is not None:
+            without.update(saved)
+    t, c = lp.stats()["times_s"], lp.stats()["counts"]
+    return round(1e3 * t["replay"] / c["replay"], 2)
+
+
+def eager_step_profile(a, model, rs, capacity, sigma, scale, toks, g, dev) -> dict:
+    """kernel_profile of an eager static latent step on `model` (after two eager steps on `rs`)."""
+    import torch
+
+    from engine import cuda_graphs as CG
+
+    ev = CG.GraphedLatentLoop(model, capacity=capacity, graphed=False, attention=a.attention)
     ev.run_rows(rs, 2, sigma, scale, toks, g)
     with ev._adapter(), torch.no_grad():
-        out.update(kernel_profile(ev._step, dev))
-    return out
+        return kernel_profile(ev._step, dev)
 
 
 def profile_trainer_latent(a, trainer, prefixes, history, capacity, K, sigma, scale, toks, dev) -> dict:
@@ -449,27 +467,14 @@ def profile_trainer_latent(a, trainer, prefixes, history, capacity, K, sigma, sc
     with CG.FrozenAdapter(trainer):
         rs = PC.prefill_rows(trainer, prefixes, cache, bounds)
     out = {"nf4_kernel_installed": bool(NK._STATE["devices"]), "latent_replay_ms": {}}
-    fused = set(NK._STATE["devices"])
     g = torch.Generator(device=dev).manual_seed(11)
     for mode in ("nf4_kernel", "bitsandbytes"):
-        if mode == "bitsandbytes":
-            NK._STATE["devices"].clear()
-        try:
-            lp = CG.GraphedLatentLoop(trainer, capacity=capacity, graphed=True, profile=True, attention=a.attention)
-            lp.run_rows(rs, K, sigma, scale, toks, g)  # warm-up + capture
-            lp.reset_stats()
-            lp.run_rows(rs, K, sigma, scale, toks, g)  # replay only
-        finally:
-            NK._STATE["devices"].update(fused)
-        t, c = lp.stats()["times_s"], lp.stats()["counts"]
-        out["latent_replay_ms"][mode] = round(1e3 * t["replay"] / c["replay"], 2)
-        del lp
-    ev = CG.GraphedLatentLoop(trainer, capacity=capacity, graphed=False, attention=a.attention)
-    ev.run_rows(rs, 2, sigma, scale, toks, g)
-    with ev._adapter(), torch.no_grad():
-        out.update(kernel_profile(ev._step, dev))
+        out["latent_replay_ms"][mode] = latent_replay_ms(
+            trainer, rs, capacity, K, sigma, scale, toks, g, a.attention,
+            without=NK._STATE["devices"] if mode == "bitsandbytes" else None)
+    out.update(eager_step_profile(a, trainer, rs, capacity, sigma, scale, toks, g, dev))
     out["floor_ms"] = round(weight_bytes(trainer) / HBM_BYTES_PER_S * 1e3, 2)
-    del ev, rs, cache
+    del rs, cache
     return out
 
 

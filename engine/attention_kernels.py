@@ -39,7 +39,7 @@ import logging
 
 import torch
 
-from engine.kernel_choice import choose, interpret, kernel_errors
+from engine.kernel_choice import as_accurate, choose, interpret, kernel_errors
 
 log = logging.getLogger("lgrpo.attention")
 
@@ -213,9 +213,8 @@ def qualify(device, cases=CASES) -> dict:
                     "equal_to_torch": float((k_out == t_out).float().mean()),
                     "row_alone_bitwise": bool(torch.equal(one[0], k_out[-1])),
                     "token_alone_bitwise": bool(torch.equal(tok[:, 0], k_out[:, -1]))}
-            case["passed"] = (ek <= TOLERANCE[0] * et + TOLERANCE[1] and mk <= MAX_ABS_FACTOR * mt + TOLERANCE[1]
-                              and bool(torch.isfinite(k_out).all()) and case["row_alone_bitwise"]
-                              and case["token_alone_bitwise"])
+            case["passed"] = (as_accurate(ek, et, mk, mt, TOLERANCE, MAX_ABS_FACTOR) and case["row_alone_bitwise"]
+                              and bool(torch.isfinite(k_out).all()) and case["token_alone_bitwise"])
             res["cases"].append(case)
             res["passed"] &= case["passed"]
     except kernel_errors() as e:  # a kernel that does not build or run here is not qualified: the reason is logged

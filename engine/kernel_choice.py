@@ -30,6 +30,15 @@ def kernel_errors() -> tuple[type[BaseException], ...]:
     return tuple(errs)
 
 
+def as_accurate(kernel_rel: float, torch_rel: float, kernel_max: float, torch_max: float,
+                tolerance: tuple[float, float], max_abs_factor: float) -> bool:
+    """A kernel's errors against an FP64 reference are within the stated tolerance of the PyTorch path's: relative
+    L2 <= tolerance[0] x PyTorch's + tolerance[1], largest elementwise error <= max_abs_factor x PyTorch's +
+    tolerance[1]."""
+    return (kernel_rel <= tolerance[0] * torch_rel + tolerance[1]
+            and kernel_max <= max_abs_factor * torch_max + tolerance[1])
+
+
 def choose(setting: str, what: str, fallback: str, mode: str, device, devices: set[str],
            qualify: Callable[[torch.device], dict], failed: Callable[[dict], list], log: logging.Logger,
            qualified_as: str, allow_interpreter: bool = False, on_pass: Callable[[], None] | None = None) -> str:

@@ -37,7 +37,7 @@ import logging
 
 import torch
 
-from engine.kernel_choice import choose, interpret, kernel_errors
+from engine.kernel_choice import as_accurate, choose, interpret, kernel_errors
 
 log = logging.getLogger("lgrpo.nf4")
 
@@ -255,8 +255,8 @@ def qualify(device, cases=CASES) -> dict:
             case = {"rows": M, "out": N, "in": K, "nested": nested, "kernel_rel_l2": ek, "torch_rel_l2": et,
                     "kernel_max_abs": mk, "torch_max_abs": mt, "dequant_bitwise": deq_bitwise,
                     "row_alone_bitwise": alone, "equal_to_torch": float((y == t).float().mean())}
-            case["passed"] = (ek <= TOLERANCE[0] * et + TOLERANCE[1] and mk <= MAX_ABS_FACTOR * mt + TOLERANCE[1]
-                              and deq_bitwise and alone and bool(torch.isfinite(y).all()))
+            case["passed"] = (as_accurate(ek, et, mk, mt, TOLERANCE, MAX_ABS_FACTOR) and deq_bitwise and alone
+                              and bool(torch.isfinite(y).all()))
             res["cases"].append(case)
             res["passed"] &= case["passed"]
     except kernel_errors() as e:  # a kernel that does not build or run here is not qualified: the reason is logged

@@ -66,8 +66,9 @@ def gqa_attention(module, query, key, value, attention_mask, dropout: float = 0.
     """Attention for short queries on a long static cache: the query heads grouped by their KV head instead of
     materializing repeat_kv copies of K and V (B x heads x max_len x head_dim, twice per layer and step, which is
     what transformers' sdpa path does whenever a mask is passed). Scores, softmax and P @ V in fp32 (the bf16 K/V
-    values are exact in fp32): at least as precise as SDPA's fp32 accumulation, unlike eager bf16 scores. On a GPU
-    where engine.attention_kernels qualified, two Triton kernels do the same arithmetic reading the BF16 K/V in place.
+    values are exact in fp32): at least as precise as SDPA's fp32 accumulation, unlike eager bf16 scores. With
+    model.attention_kernels: auto (opt-in; default torch), two Triton kernels do the same arithmetic reading the BF16
+    K/V in place where they qualified (engine/attention_kernels.py).
     query (B, H, q, hd), key/value (B, kvh, L, hd), mask (B, 1, q, L) bool (True = attend) or additive.
     Returns ((B, q, H, hd) in the query dtype, None) like the sdpa/eager interfaces."""
     if scaling is None:
@@ -283,6 +284,7 @@ class FrozenAdapter:
         # sibling projections (one input: q/k/v, gate/up, the GDN input projections): one step_h over their stacked
         # A matrices serves all of them in single-token steps (same bits as one step_h each, fewer launches)
         self.siblings: dict[str, tuple[str, int]] = {}  # name -> (group, rank offset)
+        self.groups: dict[str, list[str]] = {}  # group -> its projections' names, in stacking order
         self.stacked_a: dict[str, torch.Tensor] = {}  # group -> stacked A (FP32), refreshed by sync()
         self._h: dict[str, tuple] = {}  # group -> (input, its version, partials) of the last step_h
         self._key = None
@@ -305,6 +307,7 @@ class FrozenAdapter:
         for (parent, kind, *_), names in groups.items():
             if len(names) < 2:
                 continue
+            self.groups[f"{parent}#{kind}"] = names
             off = 0
             for n in names:
                 self.siblings[n] = (f"{parent}#{kind}", off)
@@ -333,12 +336,8 @@ class FrozenAdapter:
                 self.ms[name] = ms
             else:
                 self.ms[name].copy_(ms)
-        stacks: dict[str, list[torch.Tensor]] = {}
-        for name, (gid, _) in self.siblings.items():
-            mod, a = self.layers[name]
-            stacks.setdefault(gid, []).append(mod.lora_A[a].weight)
-        for gid, As in stacks.items():
-            st = torch.cat(As, 0)
+        for gid, names in self.groups.items():
+            st = torch.cat([self.layers[n][0].lora_A[self.layers[n][1]].weight for n in names], 0)
             if layout or gid not in self.stacked_a:
                 self.stacked_a[gid] = st
             else:

@@ -30,13 +30,37 @@ def kernel_errors() -> tuple[type[BaseException], ...]:
     return tuple(errs)
 
 
-def as_accurate(kernel_rel: float, torch_rel: float, kernel_max: float, torch_max: float,
-                tolerance: tuple[float, float], max_abs_factor: float) -> bool:
-    """A kernel's errors against an FP64 reference are within the stated tolerance of the PyTorch path's: relative
-    L2 <= tolerance[0] x PyTorch's + tolerance[1], largest elementwise error <= max_abs_factor x PyTorch's +
-    tolerance[1]."""
-    return (kernel_rel <= tolerance[0] * torch_rel + tolerance[1]
-            and kernel_max <= max_abs_factor * torch_max + tolerance[1])
+def rel_l2(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative L2 error of a against an FP64 reference."""
+    return float((a.double() - ref).norm() / ref.norm().clamp_min(1e-300))
+
+
+def error_stats(kernel_out: torch.Tensor, torch_out: torch.Tensor, ref: torch.Tensor) -> dict:
+    """The kernel's and the PyTorch path's errors against the same FP64 reference: relative L2 and largest."""
+    return {"kernel_rel_l2": rel_l2(kernel_out, ref), "torch_rel_l2": rel_l2(torch_out, ref),
+            "kernel_max_abs": float((kernel_out.double() - ref).abs().max()),
+            "torch_max_abs": float((torch_out.double() - ref).abs().max())}
+
+
+def qualification(cases, check: Callable[..., dict], **extra) -> dict:
+    """Run check(*case) for every case (each returns a dict with "passed"); passed = all of them. A kernel that
+    cannot be built or launched here fails the qualification with the reason (logged by `choose`)."""
+    res = {"passed": True, "cases": [], **extra}
+    try:
+        for c in cases:
+            case = check(*c)
+            res["cases"].append(case)
+            res["passed"] &= bool(case["passed"])
+    except kernel_errors() as e:
+        res.update(passed=False, error=f"{type(e).__name__}: {e}")
+    return res
+
+
+def as_accurate(e: dict, tolerance: tuple[float, float], max_abs_factor: float) -> bool:
+    """error_stats `e` within the stated tolerance of the PyTorch path's: relative L2 <= tolerance[0] x PyTorch's +
+    tolerance[1], largest elementwise error <= max_abs_factor x PyTorch's + tolerance[1]."""
+    return (e["kernel_rel_l2"] <= tolerance[0] * e["torch_rel_l2"] + tolerance[1]
+            and e["kernel_max_abs"] <= max_abs_factor * e["torch_max_abs"] + tolerance[1])
 
 
 def choose(setting: str, what: str, fallback: str, mode: str, device, devices: set[str],

@@ -37,7 +37,7 @@ import logging
 
 import torch
 
-from engine.kernel_choice import as_accurate, choose, interpret, kernel_errors
+from engine.kernel_choice import as_accurate, choose, error_stats, interpret, qualification
 
 log = logging.getLogger("lgrpo.nf4")
 
@@ -193,10 +193,6 @@ def _patch() -> None:
     _STATE["orig"] = (cls, orig)
 
 
-def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((a.double() - ref).norm() / ref.norm().clamp_min(1e-300))
-
-
 TOLERANCE = (1.25, 1e-6)  # relative L2 vs FP64 <= 1.25 x the dequantize-then-matmul path's error + 1e-6
 MAX_ABS_FACTOR = 2.0
 
@@ -236,32 +232,26 @@ def qualify(device, cases=CASES) -> dict:
     (2) its outputs against FP64 of x @ W^T (W the dequantized weight) within TOLERANCE of the dequantize-then-matmul
     path's error and MAX_ABS_FACTOR of its largest error; (3) a row alone equals the same row among others."""
     gen = torch.Generator(device="cpu").manual_seed(0)
-    res = {"passed": True, "cases": [], "tolerance": list(TOLERANCE)}
-    try:
-        for M, N, K, nested in cases:
-            nw, wref = _quantized(N, K, nested, device, gen)
-            x = torch.randn(M, K, generator=gen).to(device=device, dtype=torch.bfloat16)
-            y = nf4_linear(x, nw)
-            t = torch.nn.functional.linear(x, wref)
-            ref = x.double() @ wref.double().T
-            ek, et = _rel(y, ref), _rel(t, ref)
-            mk, mt = float((y.double() - ref).abs().max()), float((t.double() - ref).abs().max())
-            cols = torch.randint(0, K, (min(STEP_ROWS, K),), generator=gen)
-            onehot = torch.zeros(len(cols), K, dtype=torch.bfloat16)
-            onehot[torch.arange(len(cols)), cols] = 1.0
-            picked = nf4_linear(onehot.to(device), nw)  # row i: column cols[i] of the in-register weights
-            deq_bitwise = bool(torch.equal(picked, wref[:, cols.to(wref.device)].T.contiguous()))
-            alone = bool(torch.equal(nf4_linear(x[-1:], nw)[0], y[-1]))
-            case = {"rows": M, "out": N, "in": K, "nested": nested, "kernel_rel_l2": ek, "torch_rel_l2": et,
-                    "kernel_max_abs": mk, "torch_max_abs": mt, "dequant_bitwise": deq_bitwise,
-                    "row_alone_bitwise": alone, "equal_to_torch": float((y == t).float().mean())}
-            case["passed"] = (as_accurate(ek, et, mk, mt, TOLERANCE, MAX_ABS_FACTOR) and deq_bitwise and alone
-                              and bool(torch.isfinite(y).all()))
-            res["cases"].append(case)
-            res["passed"] &= case["passed"]
-    except kernel_errors() as e:  # a kernel that does not build or run here is not qualified: the reason is logged
-        res.update(passed=False, error=f"{type(e).__name__}: {e}")
-    return res
+
+    def check(M, N, K, nested) -> dict:
+        nw, wref = _quantized(N, K, nested, device, gen)
+        x = torch.randn(M, K, generator=gen).to(device=device, dtype=torch.bfloat16)
+        y, t = nf4_linear(x, nw), torch.nn.functional.linear(x, wref)
+        e = error_stats(y, t, x.double() @ wref.double().T)
+        cols = torch.randint(0, K, (min(STEP_ROWS, K),), generator=gen)
+        onehot = torch.zeros(len(cols), K, dtype=torch.bfloat16)
+        onehot[torch.arange(len(cols)), cols] = 1.0
+        picked = nf4_linear(onehot.to(device), nw)  # row i: column cols[i] of the in-register weights
+        deq_bitwise = bool(torch.equal(picked, wref[:, cols.to(wref.device)].T.contiguous()))
+        alone = bool(torch.equal(nf4_linear(x[-1:], nw)[0], y[-1]))
+        case = {"rows": M, "out": N, "in": K, "nested": nested, **e, "dequant_bitwise": deq_bitwise,
+                "row_alone_bitwise": alone,
+                "equal_to_torch": float((y == t).float().mean())}
+        case["passed"] = (as_accurate(e, TOLERANCE, MAX_ABS_FACTOR) and deq_bitwise and alone
+                          and bool(torch.isfinite(y).all()))
+        return case
+
+    return qualification(cases, check, tolerance=list(TOLERANCE))
 
 
 def install(mode: str, device) -> str:

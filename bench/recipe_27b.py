@@ -107,6 +107,24 @@ def weight_bytes(model) -> int:
 # the run
 
 
+def apply_layouts(path: str) -> dict:
+    """Set engine.attention_kernels.CONFIG / engine.nf4_kernels.CONFIG from a kernel_sweep JSON's best layouts."""
+    from engine import attention_kernels, nf4_kernels
+
+    sweep = json.loads(Path(path).read_text())
+    applied = {}
+    for name, mod in (("attention", attention_kernels), ("nf4", nf4_kernels)):
+        best = (sweep.get(name) or {}).get("best")
+        if best:
+            unknown = sorted(set(best) - set(mod.CONFIG))
+            if unknown:
+                raise SystemExit(f"--apply {path}: {name} layout keys {unknown} are not in {mod.__name__}.CONFIG "
+                                 f"({sorted(mod.CONFIG)}); was the sweep made by another version?")
+            mod.CONFIG.update(best)
+            applied[name] = dict(mod.CONFIG)
+    return applied
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", choices=["bf16", "nf4"], default="bf16")
@@ -133,6 +151,9 @@ def main(argv=None) -> dict:
     p.add_argument("--latent-engine", choices=["auto", "trainer", "sampler"], default="auto",
                    help="the model the latent loop runs on (configs latent.engine): auto = the sampler's BF16 export "
                         "for --base nf4 (one prefill per row then serves thoughts and answers), the trainer for bf16")
+    p.add_argument("--apply", default=None, metavar="SWEEP_JSON",
+                   help="launch layouts of the decode attention and NF4 kernels from bench/kernel_sweep.py's JSON "
+                        "(its 'best' entries; each kernel is qualified again at that layout before use)")
     p.add_argument("--out", default=None)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -171,6 +192,8 @@ def main(argv=None) -> dict:
     base, res["build_s"] = timed(dev, lambda: build_random(arch, vocab, dev, dtype, a.seed))
     from engine import adapter_kernels, attention_kernels, gdn, nf4_kernels, norm_kernels
 
+    if a.apply:
+        res["applied_layouts"] = apply_layouts(a.apply)
     # the choices engine.runtime.build makes, before the first forward and before any graph is captured
     res["kernels"] = {"gdn": gdn.install(a.kernels, base.config, dev),
                       "adapter_epilogue": adapter_kernels.install(a.kernels, dev),

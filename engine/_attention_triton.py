@@ -57,7 +57,21 @@ def split_pass(q_ptr, k_ptr, v_ptr, m_ptr, po_ptr, pm_ptr, pl_ptr,
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + cols[:, None].to(tl.int64) * svl + d[None, :], mask=cmask[:, None] & dmask[None, :],
                     other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+        # P = p1 + p2 + p3 exactly (three BF16 pieces hold FP32's 24 significant bits; each difference is exact)
+        p1 = bf16_rtne(p)  # FP32 holding a BF16 value (the interpreter truncates on a cast; this rounds)
+        r1 = p - p1
+        p2 = bf16_rtne(r1)
+        p3 = r1 - p2
+        if DOT_F32:  # the same exact products and FP32 sums, in FP32 (the interpreter's BF16 dot is wrong)
+            vf = v.to(tl.float32)
+            pv = tl.dot(p1, vf, input_precision="ieee", out_dtype=tl.float32)
+            pv += tl.dot(p2, vf, input_precision="ieee", out_dtype=tl.float32)
+            pv += tl.dot(p3, vf, input_precision="ieee", out_dtype=tl.float32)
+        else:
+            pv = tl.dot(p1.to(tl.bfloat16), v, out_dtype=tl.float32)
+            pv += tl.dot(p2.to(tl.bfloat16), v, out_dtype=tl.float32)
+            pv += tl.dot(p3.to(tl.bfloat16), v, out_dtype=tl.float32)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     part = (bh * S + split) * R + rows  # (B*KVH, S, R) rows of the partials
     tl.store(pm_ptr + part, m_i, mask=rmask)

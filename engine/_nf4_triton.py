@@ -1,11 +1,17 @@
-"""Triton kernel of engine/nf4_kernels.py (imported only when the NF4 small-batch kernel is used: Triton is optional).
+"""Triton kernels of engine/nf4_kernels.py (imported only when the NF4 small-batch kernel is used: Triton is optional).
 
 y = x W^T for a handful of rows x (BF16) and an NF4 weight W packed by bitsandbytes: byte j of the flattened
 (out, in) weight holds element 2j in its high nibble and 2j+1 in its low one; one absmax per BLOCKSIZE consecutive
-elements, itself 8-bit quantized per BLOCKSIZE2 absmax values when nested ("double quantization"). Each weight is
-dequantized in registers exactly as bitsandbytes' dequantize_4bit does it -- absmax = code2[q] * absmax2 + offset
-(two FP32 roundings), w = BF16(nf4[c] * absmax) -- so the products are those of the dequantize-then-matmul path;
-only the order of the FP32 sums differs. Launched with enable_fp_fusion=False (no multiply-add contraction)."""
+elements. The absmax arrive as FP32 values already decoded from a nested (double-quantized) state exactly as
+dequantize_4bit decodes them (engine.nf4_kernels.NF4Weight.absmax32), so no weight waits on a chain of dependent
+gathers. Each weight is dequantized in registers exactly as dequantize_4bit does it -- w = BF16(nf4[c] * absmax),
+one FP32 product rounded to nearest even -- so the products with x are those of the dequantize-then-matmul path and
+only the order of the FP32 sums differs.
+
+`nf4_small_gemm` splits the input dimension over SPLITS programs per block of output features (enough programs to
+keep HBM busy: a 4-row step is a matrix-vector product) and writes FP32 partial sums; `nf4_reduce` adds the splits
+in a fixed order, the bias, and rounds once to BF16. With one split the first kernel rounds and writes the output
+itself. The layout (and so the order of the sums) depends on the shape and engine.nf4_kernels.CONFIG only."""
 
 import triton
 import triton.language as tl
@@ -14,13 +20,51 @@ from engine._adapter_triton import bf16_rtne
 
 
 @triton.jit
-def nf4_small_gemm(x_ptr, w_ptr, am_ptr, am2_ptr, code2_ptr, lut_ptr, bias_ptr, out_ptr,
-                   M, N, K, sx, so, offset,
-                   NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCKSIZE: tl.constexpr,
-                   BLOCKSIZE2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   DOT_F32: tl.constexpr):
-    """Program p: output features [p*BN, (p+1)*BN) for every row (at most BM), the whole input dimension in steps
-    of BK (even elements x_even with the high nibbles, odd ones with the low nibbles)."""
+def _nf4_value(c, lut_ptr, LUT_SELECT: tl.constexpr):
+    """The NF4 level of 4-bit codes c: a gather from the 16-entry table (L1-resident), or a tree of selects over the
+    code's bits among the 16 values held in registers."""
+    if LUT_SELECT:
+        b0 = (c & 1) != 0
+        b1 = (c & 2) != 0
+        b2 = (c & 4) != 0
+        b3 = (c & 8) != 0
+        v01 = tl.where(b0, tl.load(lut_ptr + 1), tl.load(lut_ptr + 0))
+        v23 = tl.where(b0, tl.load(lut_ptr + 3), tl.load(lut_ptr + 2))
+        v45 = tl.where(b0, tl.load(lut_ptr + 5), tl.load(lut_ptr + 4))
+        v67 = tl.where(b0, tl.load(lut_ptr + 7), tl.load(lut_ptr + 6))
+        v89 = tl.where(b0, tl.load(lut_ptr + 9), tl.load(lut_ptr + 8))
+        vab = tl.where(b0, tl.load(lut_ptr + 11), tl.load(lut_ptr + 10))
+        vcd = tl.where(b0, tl.load(lut_ptr + 13), tl.load(lut_ptr + 12))
+        vef = tl.where(b0, tl.load(lut_ptr + 15), tl.load(lut_ptr + 14))
+        v03 = tl.where(b1, v23, v01)
+        v47 = tl.where(b1, v67, v45)
+        v8b = tl.where(b1, vab, v89)
+        vcf = tl.where(b1, vef, vcd)
+        v07 = tl.where(b2, v47, v03)
+        v8f = tl.where(b2, vcf, v8b)
+        return tl.where(b3, v8f, v07)
+    else:
+        return tl.load(lut_ptr + c)
+
+
+@triton.jit
+def _to_bf16(x, SOFT_ROUND: tl.constexpr):
+    """FP32 -> BF16, round to nearest even: the hardware conversion, or written out (Triton's interpreter truncates)."""
+    if SOFT_ROUND:
+        return bf16_rtne(x).to(tl.bfloat16)
+    else:
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
+def nf4_small_gemm(x_ptr, w_ptr, am_ptr, lut_ptr, bias_ptr, out_ptr, part_ptr,
+                   M, N, K, sx, so, KS,
+                   HAS_BIAS: tl.constexpr, BLOCKSIZE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, FINAL: tl.constexpr, LUT_SELECT: tl.constexpr, DOT_F32: tl.constexpr):
+    """Program (p, s): output features [p*BN, (p+1)*BN) for every row (at most BM), input elements [s*KS, (s+1)*KS)
+    in steps of BK (even elements x_even with the high nibbles, odd ones with the low nibbles). FINAL (one split):
+    add the bias, round and store the output; else store FP32 partials (splits, M, N)."""
+    pid_s = tl.program_id(1)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     nmask = n < N
     m = tl.arange(0, BM)
@@ -28,33 +72,47 @@ def nf4_small_gemm(x_ptr, w_ptr, am_ptr, am2_ptr, code2_ptr, lut_ptr, bias_ptr, 
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     KH = K // 2
     j = tl.arange(0, BK // 2)
-    for k0 in range(0, K, BK):
+    k_lo = pid_s * KS
+    k_hi = tl.minimum(k_lo + KS, K)
+    for k0 in range(k_lo, k_hi, BK):
         kk = k0 // 2 + j  # packed byte within the row
-        kmask = kk < KH
+        kmask = kk < k_hi // 2
         wmask = nmask[:, None] & kmask[None, :]
         packed = tl.load(w_ptr + n[:, None].to(tl.int64) * KH + kk[None, :], mask=wmask, other=0)
-        hi = (packed >> 4) & 15
-        lo = packed & 15
-        blk = (n[:, None].to(tl.int64) * K + 2 * kk[None, :]) // BLOCKSIZE
-        if NESTED:
-            q8 = tl.load(am_ptr + blk, mask=wmask, other=0)
-            a2 = tl.load(am2_ptr + blk // BLOCKSIZE2, mask=wmask, other=0.0)
-            a = tl.load(code2_ptr + q8, mask=wmask, other=0.0) * a2 + offset
-        else:
-            a = tl.load(am_ptr + blk, mask=wmask, other=0.0)
-        w_hi = bf16_rtne(tl.load(lut_ptr + hi, mask=wmask, other=0.0) * a)
-        w_lo = bf16_rtne(tl.load(lut_ptr + lo, mask=wmask, other=0.0) * a)
+        a = tl.load(am_ptr + (n[:, None].to(tl.int64) * K + 2 * kk[None, :]) // BLOCKSIZE, mask=wmask, other=0.0)
+        w_hi = _to_bf16(_nf4_value((packed >> 4) & 15, lut_ptr, LUT_SELECT) * a, DOT_F32)
+        w_lo = _to_bf16(_nf4_value(packed & 15, lut_ptr, LUT_SELECT) * a, DOT_F32)
         xmask = mmask[:, None] & kmask[None, :]
         x_row = x_ptr + m[:, None].to(tl.int64) * sx + 2 * kk[None, :]
         x_even = tl.load(x_row, mask=xmask, other=0.0)
         x_odd = tl.load(x_row + 1, mask=xmask, other=0.0)
         if DOT_F32:  # the interpreter's BF16 dot is wrong; the same exact products and FP32 sums, in FP32
-            acc += tl.dot(x_even.to(tl.float32), tl.trans(w_hi), input_precision="ieee", out_dtype=tl.float32)
-            acc += tl.dot(x_odd.to(tl.float32), tl.trans(w_lo), input_precision="ieee", out_dtype=tl.float32)
+            acc += tl.dot(x_even.to(tl.float32), tl.trans(w_hi.to(tl.float32)), input_precision="ieee",
+                          out_dtype=tl.float32)
+            acc += tl.dot(x_odd.to(tl.float32), tl.trans(w_lo.to(tl.float32)), input_precision="ieee",
+                          out_dtype=tl.float32)
         else:
-            acc += tl.dot(x_even, tl.trans(w_hi.to(tl.bfloat16)), out_dtype=tl.float32)
-            acc += tl.dot(x_odd, tl.trans(w_lo.to(tl.bfloat16)), out_dtype=tl.float32)
+            acc += tl.dot(x_even, tl.trans(w_hi), out_dtype=tl.float32)
+            acc += tl.dot(x_odd, tl.trans(w_lo), out_dtype=tl.float32)
+    if FINAL:
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        dst = out_ptr + m[:, None].to(tl.int64) * so + n[None, :]
+        tl.store(dst, bf16_rtne(acc).to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    else:
+        dst = part_ptr + (pid_s * M + m[:, None]).to(tl.int64) * N + n[None, :]
+        tl.store(dst, acc, mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def nf4_reduce(part_ptr, bias_ptr, out_ptr, M, N, S, so, HAS_BIAS: tl.constexpr, BN: tl.constexpr):
+    """Program (row, p): the sum of the splits' partials in split order, plus the bias, rounded once to BF16."""
+    row = tl.program_id(0)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = n < N
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for s in range(S):
+        acc += tl.load(part_ptr + (s * M + row).to(tl.int64) * N + n, mask=nmask, other=0.0)
     if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    dst = out_ptr + m[:, None].to(tl.int64) * so + n[None, :]
-    tl.store(dst, bf16_rtne(acc).to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+        acc = acc + tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row.to(tl.int64) * so + n, bf16_rtne(acc).to(out_ptr.dtype.element_ty), mask=nmask)

@@ -45,9 +45,11 @@ log = logging.getLogger("lgrpo.attention")
 
 _STATE: dict = {"devices": set(), "launches": 0}
 _K: dict = {}
-SPLIT_KEYS = 256  # key positions per program of pass 1 (BLOCK_KEYS x blocks): the split layout depends on L only
-BLOCK_KEYS = 64
-ATTN_ROWS = 16  # query rows (query heads of one KV head x query tokens) per program
+# The launch layout: key positions per program of pass 1 (split_keys = block_keys x blocks; the split layout depends on
+# the cache length only), query rows (query heads of one KV head x query tokens) per program, warps and pipeline
+# stages. bench/kernel_sweep.py times the alternatives on the GPU; the order of the sums follows split_keys and
+# block_keys, so every choice is qualified as it is installed.
+CONFIG = {"split_keys": 256, "block_keys": 64, "rows": 16, "warps": 4, "stages": 2}
 MAX_HEAD_DIM = 256
 
 
@@ -88,9 +90,13 @@ def gqa_fused(query, key, value, attention_mask, scaling: float):
     g = H // kvh
     R = g * q
     HDP = max(16, triton.next_power_of_2(hd))
-    blocks = SPLIT_KEYS // BLOCK_KEYS
-    S = triton.cdiv(L, SPLIT_KEYS)
-    rb = triton.cdiv(R, ATTN_ROWS)
+    cfg = CONFIG
+    split, bl, rows = cfg["split_keys"], cfg["block_keys"], cfg["rows"]
+    if split % bl:
+        raise ValueError(f"attention_kernels.CONFIG: split_keys {split} is not a multiple of block_keys {bl}")
+    blocks = split // bl
+    S = triton.cdiv(L, split)
+    rb = triton.cdiv(R, rows)
     dev = query.device
     if attention_mask is None:
         mask = torch.ones(1, dtype=torch.bool, device=dev)
@@ -107,14 +113,14 @@ def gqa_fused(query, key, value, attention_mask, scaling: float):
     out = torch.empty(B, q, H, hd, dtype=query.dtype, device=dev)
     k = _kernels()
     _STATE["launches"] += 1  # counted (tests check the fused path really ran)
-    extra = {} if interpret() else {"num_warps": 4}
+    extra = {} if interpret() else {"num_warps": cfg["warps"], "num_stages": cfg["stages"]}
     k["split"][(B * kvh, S, rb)](
         query, key, value, mask, po, pm, pl, R, q, L, g, kvh, S, float(scaling), torch.finfo(torch.float32).min,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), smb, smq, sml,
-        HD=hd, HDP=HDP, BR=ATTN_ROWS, BL=BLOCK_KEYS, BLOCKS=blocks, DOT_F32=interpret(), **extra)
+        HD=hd, HDP=HDP, BR=rows, BL=bl, BLOCKS=blocks, DOT_F32=interpret(), **extra)
     k["combine"][(B * kvh, rb)](po, pm, pl, out, R, q, g, kvh, S, out.stride(0), out.stride(1), out.stride(2),
-                                HD=hd, HDP=HDP, BR=ATTN_ROWS, **extra)
+                                HD=hd, HDP=HDP, BR=rows, **({} if interpret() else {"num_warps": 4}))
     return out
 
 

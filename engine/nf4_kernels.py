@@ -44,7 +44,12 @@ log = logging.getLogger("lgrpo.nf4")
 _STATE: dict = {"devices": set(), "launches": 0, "orig": None}
 _K: dict = {}
 STEP_ROWS = 16  # at most this many rows (batch x tokens) take the kernel
-BLOCK_N, BLOCK_K = 16, 256  # output features per program, input elements per step: fixed (the order of the sums)
+# The launch layout: output features per program, input elements per step, the number of programs a projection aims
+# for (the input dimension is split until cdiv(N, block_n) x splits reaches it: a 4-row step is a matrix-vector
+# product and needs many programs in flight to keep HBM busy), warps, pipeline stages, and how the 16 NF4 levels are
+# looked up (a gather from the table, or selects in registers). The layout fixes the order of the sums for a shape;
+# bench/kernel_sweep.py times the alternatives on the GPU and every choice is qualified as it is installed.
+CONFIG = {"block_n": 64, "block_k": 256, "programs": 512, "warps": 4, "stages": 3, "lut_select": False}
 
 
 class NF4Weight:
@@ -58,6 +63,22 @@ class NF4Weight:
         self.blocksize, self.absmax2, self.code2 = int(blocksize), absmax2, code2
         self.blocksize2, self.offset = int(blocksize2), float(offset)
         self.nested = absmax2 is not None
+        self._absmax32 = None
+
+    @property
+    def absmax32(self) -> torch.Tensor:
+        """The FP32 absmax of every block, decoded once from a nested state exactly as dequantize_4bit decodes it
+        (code2[q] * absmax2, rounded, then + offset, rounded: two separate FP32 operations) -- 4 bytes per 64 weights
+        (~0.5 bit per weight) kept beside the packed weight so the kernel reads each block's absmax directly."""
+        if self._absmax32 is None:
+            if self.nested:
+                nb = self.absmax.numel()
+                a2 = self.absmax2.repeat_interleave(self.blocksize2)[:nb]
+                am = self.code2[self.absmax.long()] * a2
+                self._absmax32 = am + torch.tensor(self.offset, dtype=torch.float32, device=am.device)
+            else:
+                self._absmax32 = self.absmax.float()
+        return self._absmax32
 
     @classmethod
     def of(cls, mod) -> "NF4Weight":
@@ -76,7 +97,7 @@ def _kernels() -> dict:
     if not _K:
         from engine import _nf4_triton as T
 
-        _K.update(gemm=T.nf4_small_gemm)
+        _K.update(gemm=T.nf4_small_gemm, reduce=T.nf4_reduce)
     return _K
 
 
@@ -96,14 +117,26 @@ def nf4_linear(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | None = None) 
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     import triton
 
+    cfg = CONFIG
+    BN, BK = cfg["block_n"], cfg["block_k"]
+    n_blocks = triton.cdiv(N, BN)
+    splits = max(1, min(triton.cdiv(cfg["programs"], n_blocks), triton.cdiv(K, BK)))
+    ks = triton.cdiv(triton.cdiv(K, splits), BK) * BK  # input elements per split: whole steps
+    splits = triton.cdiv(K, ks)
+    final = splits == 1
+    part = out if final else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     _STATE["launches"] += 1  # counted (tests check the kernel really ran)
-    extra = {} if interpret() else {"enable_fp_fusion": False, "num_warps": 4, "num_stages": 3}
-    nested = w.nested
-    _kernels()["gemm"][(triton.cdiv(N, BLOCK_N),)](
-        x2, w.packed, w.absmax, w.absmax2 if nested else w.absmax, w.code2 if nested else w.lut, w.lut,
-        bias if bias is not None else out, out, M, N, K, x2.stride(0), out.stride(0), w.offset,
-        NESTED=nested, HAS_BIAS=bias is not None, BLOCKSIZE=w.blocksize, BLOCKSIZE2=w.blocksize2, BM=STEP_ROWS,
-        BN=BLOCK_N, BK=BLOCK_K, DOT_F32=interpret(), **extra)
+    extra = {} if interpret() else {"enable_fp_fusion": False, "num_warps": cfg["warps"], "num_stages": cfg["stages"]}
+    k = _kernels()
+    k["gemm"][(n_blocks, splits)](
+        x2, w.packed, w.absmax32, w.lut, bias if bias is not None else out, out, part, M, N, K, x2.stride(0),
+        out.stride(0), ks, HAS_BIAS=bias is not None, BLOCKSIZE=w.blocksize, BM=STEP_ROWS, BN=BN, BK=BK,
+        FINAL=final, LUT_SELECT=bool(cfg["lut_select"]), DOT_F32=interpret(), **extra)
+    if not final:
+        RN = 1024
+        k["reduce"][(M, triton.cdiv(N, RN))](part, bias if bias is not None else out, out, M, N, splits,
+                                             out.stride(0), HAS_BIAS=bias is not None, BN=RN,
+                                             **({} if interpret() else {"num_warps": 4}))
     return out.view(*x.shape[:-1], N)
 
 

@@ -13,17 +13,29 @@ def test_the_kernel_dequantizes_bit_for_bit_and_is_as_accurate_as_dequantize_the
     """Nested (double-quantized) and plain absmax, 1-16 rows, widths that end inside an absmax block and inside a
     step (1000), output counts below one program's block. Stated tolerance: relative L2 vs FP64 within 1.25x of the
     dequantize-then-matmul path's, largest error within 2x; the in-register weights equal the reference
-    dequantization bit for bit; a row alone equals itself among others."""
-    q = _interpreted("""
+    dequantization bit for bit; a row alone equals itself among others. Both layouts: the input split over several
+    programs (FP32 partials, then the reduction kernel) with the levels gathered from the table, and one program per
+    block of outputs (rounded in place) with the levels selected in registers."""
+    out = _interpreted("""
         import json, torch
         from engine import nf4_kernels as NK
         cases = ((4, 64, 512, True), (3, 48, 640, False), (7, 40, 1000, True), (16, 32, 256, True),
                  (1, 20, 130, True))
-        print(json.dumps(NK.qualify(torch.device("cpu"), cases=cases)))
+        res = []
+        for cfg in ({"programs": 512, "lut_select": False, "block_k": 128},
+                    {"programs": 1, "lut_select": True, "block_n": 32}):
+            NK.CONFIG.update(cfg)
+            n0 = NK._STATE["launches"]
+            res.append({"qualification": NK.qualify(torch.device("cpu"), cases=cases),
+                        "launches": NK._STATE["launches"] - n0})
+        print(json.dumps(res))
     """)
-    assert q["passed"], q
-    assert len(q["cases"]) == 5
-    for c in q["cases"]:
+    for r in out:
+        assert r["launches"] >= 3 * 5, r  # the kernel really ran: the product, a one-hot probe, a row alone
+    for r in out:
+        assert r["qualification"]["passed"], r
+        assert len(r["qualification"]["cases"]) == 5
+    for c in out[0]["qualification"]["cases"] + out[1]["qualification"]["cases"]:
         assert c["dequant_bitwise"] and c["row_alone_bitwise"], c
         assert c["kernel_rel_l2"] <= 1.25 * c["torch_rel_l2"] + 1e-6, c
         assert c["kernel_max_abs"] <= 2.0 * c["torch_max_abs"] + 1e-6, c

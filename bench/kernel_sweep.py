@@ -189,7 +189,7 @@ def sweep_nf4(dev, quick: bool) -> dict:
         return row
 
     stage1 = [{"block_n": bn, "block_k": bk, "lut_select": ls, "programs": 512, "warps": 4, "stages": 3}
-              for bn, bk, ls in itertools.product((32, 64, 128), (128, 256, 512), (False, True))]
+              for bn, bk, ls in itertools.product((32, 64, 128, 256), (64, 128, 256, 512), (False, True))]
     if quick:
         stage1 = stage1[:3]
     rows = [run(c) for c in stage1]

@@ -151,7 +151,7 @@ def main(argv=None) -> dict:
     p.add_argument("--latent-engine", choices=["auto", "trainer", "sampler"], default="auto",
                    help="the model the latent loop runs on (configs latent.engine): auto = the sampler's BF16 export "
                         "for --base nf4 (one prefill per row then serves thoughts and answers), the trainer for bf16")
-    p.add_argument("--apply", default=None, metavar="SWEEP_JSON",
+    p.add_argument("--apply", nargs="+", default=None, metavar="SWEEP_JSON",
                    help="launch layouts of the decode attention and NF4 kernels from bench/kernel_sweep.py's JSON "
                         "(its 'best' entries; each kernel is qualified again at that layout before use)")
     p.add_argument("--out", default=None)
@@ -193,7 +193,9 @@ def main(argv=None) -> dict:
     from engine import adapter_kernels, attention_kernels, gdn, nf4_kernels, norm_kernels
 
     if a.apply:
-        res["applied_layouts"] = apply_layouts(a.apply)
+        res["applied_layouts"] = {}
+        for f in a.apply:  # later files win
+            res["applied_layouts"].update(apply_layouts(f))
     # the choices engine.runtime.build makes, before the first forward and before any graph is captured
     res["kernels"] = {"gdn": gdn.install(a.kernels, base.config, dev),
                       "adapter_epilogue": adapter_kernels.install(a.kernels, dev),

@@ -57,12 +57,29 @@ def _to_bf16(x, SOFT_ROUND: tl.constexpr):
 
 
 @triton.jit
+def _dot2(acc, x_even, x_odd, w_hi, w_lo, DOT_F32: tl.constexpr):
+    """acc + x_even w_hi^T + x_odd w_lo^T, FP32 sums of exact products."""
+    if DOT_F32:  # the interpreter's BF16 dot is wrong; the same exact products and FP32 sums, in FP32
+        acc += tl.dot(x_even.to(tl.float32), tl.trans(w_hi.to(tl.float32)), input_precision="ieee",
+                      out_dtype=tl.float32)
+        acc += tl.dot(x_odd.to(tl.float32), tl.trans(w_lo.to(tl.float32)), input_precision="ieee",
+                      out_dtype=tl.float32)
+    else:
+        acc += tl.dot(x_even, tl.trans(w_hi), out_dtype=tl.float32)
+        acc += tl.dot(x_odd, tl.trans(w_lo), out_dtype=tl.float32)
+    return acc
+
+
+@triton.jit
 def nf4_small_gemm(x_ptr, w_ptr, am_ptr, lut_ptr, bias_ptr, out_ptr, part_ptr,
                    M, N, K, sx, so, KS,
                    HAS_BIAS: tl.constexpr, BLOCKSIZE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, FINAL: tl.constexpr, LUT_SELECT: tl.constexpr, DOT_F32: tl.constexpr):
+                   BK: tl.constexpr, FINAL: tl.constexpr, LUT_SELECT: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+                   DOT_F32: tl.constexpr):
     """Program (p, s): output features [p*BN, (p+1)*BN) for every row (at most BM), input elements [s*KS, (s+1)*KS)
-    in steps of BK (even elements x_even with the high nibbles, odd ones with the low nibbles). FINAL (one split):
+    in steps of BK (even elements x_even with the high nibbles, odd ones with the low nibbles). ROW_BLOCKS (the width
+    is a multiple of the absmax block): each step is BK / BLOCKSIZE blocks, one absmax load per row and block,
+    broadcast in registers; else one absmax gather per packed byte. FINAL (one split):
     add the bias, round and store the output; else store FP32 partials (splits, M, N)."""
     pid_s = tl.program_id(1)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -71,29 +88,43 @@ def nf4_small_gemm(x_ptr, w_ptr, am_ptr, lut_ptr, bias_ptr, out_ptr, part_ptr,
     mmask = m < M
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     KH = K // 2
-    j = tl.arange(0, BK // 2)
     k_lo = pid_s * KS
     k_hi = tl.minimum(k_lo + KS, K)
-    for k0 in range(k_lo, k_hi, BK):
-        kk = k0 // 2 + j  # packed byte within the row
-        kmask = kk < k_hi // 2
-        wmask = nmask[:, None] & kmask[None, :]
-        packed = tl.load(w_ptr + n[:, None].to(tl.int64) * KH + kk[None, :], mask=wmask, other=0)
-        a = tl.load(am_ptr + (n[:, None].to(tl.int64) * K + 2 * kk[None, :]) // BLOCKSIZE, mask=wmask, other=0.0)
-        w_hi = _to_bf16(_nf4_value((packed >> 4) & 15, lut_ptr, LUT_SELECT) * a, DOT_F32)
-        w_lo = _to_bf16(_nf4_value(packed & 15, lut_ptr, LUT_SELECT) * a, DOT_F32)
-        xmask = mmask[:, None] & kmask[None, :]
-        x_row = x_ptr + m[:, None].to(tl.int64) * sx + 2 * kk[None, :]
-        x_even = tl.load(x_row, mask=xmask, other=0.0)
-        x_odd = tl.load(x_row + 1, mask=xmask, other=0.0)
-        if DOT_F32:  # the interpreter's BF16 dot is wrong; the same exact products and FP32 sums, in FP32
-            acc += tl.dot(x_even.to(tl.float32), tl.trans(w_hi.to(tl.float32)), input_precision="ieee",
-                          out_dtype=tl.float32)
-            acc += tl.dot(x_odd.to(tl.float32), tl.trans(w_lo.to(tl.float32)), input_precision="ieee",
-                          out_dtype=tl.float32)
-        else:
-            acc += tl.dot(x_even, tl.trans(w_hi), out_dtype=tl.float32)
-            acc += tl.dot(x_odd, tl.trans(w_lo), out_dtype=tl.float32)
+    if ROW_BLOCKS:  # K % BLOCKSIZE == 0: every absmax block lies in one row; one absmax load per (row, block)
+        HB: tl.constexpr = BLOCKSIZE // 2
+        jb = tl.arange(0, HB)
+        wrow = w_ptr + n.to(tl.int64) * KH
+        arow = am_ptr + n.to(tl.int64) * (K // BLOCKSIZE)
+        for k0 in range(k_lo, k_hi, BK):
+            for b in tl.static_range(BK // BLOCKSIZE):
+                kb0 = k0 + b * BLOCKSIZE  # the block's first element
+                kk = kb0 // 2 + jb
+                ok = kk < k_hi // 2  # (HB,): the whole block is in the split or none of it
+                packed = tl.load(wrow[:, None] + kk[None, :], mask=nmask[:, None] & ok[None, :], other=0)
+                a = tl.load(arow + kb0 // BLOCKSIZE, mask=nmask & (n * 0 + kb0 < k_hi), other=0.0)[:, None]
+                w_hi = _to_bf16(_nf4_value((packed >> 4) & 15, lut_ptr, LUT_SELECT) * a, DOT_F32)
+                w_lo = _to_bf16(_nf4_value(packed & 15, lut_ptr, LUT_SELECT) * a, DOT_F32)
+                xmask = mmask[:, None] & ok[None, :]
+                x_row = x_ptr + m[:, None].to(tl.int64) * sx + 2 * kk[None, :]
+                x_even = tl.load(x_row, mask=xmask, other=0.0)
+                x_odd = tl.load(x_row + 1, mask=xmask, other=0.0)
+                acc = _dot2(acc, x_even, x_odd, w_hi, w_lo, DOT_F32)
+    else:  # blocks straddle rows: each weight's absmax by its flattened index
+        j = tl.arange(0, BK // 2)
+        for k0 in range(k_lo, k_hi, BK):
+            kk = k0 // 2 + j  # packed byte within the row
+            kmask = kk < k_hi // 2
+            wmask = nmask[:, None] & kmask[None, :]
+            packed = tl.load(w_ptr + n[:, None].to(tl.int64) * KH + kk[None, :], mask=wmask, other=0)
+            a = tl.load(am_ptr + (n[:, None].to(tl.int64) * K + 2 * kk[None, :]) // BLOCKSIZE, mask=wmask,
+                        other=0.0)
+            w_hi = _to_bf16(_nf4_value((packed >> 4) & 15, lut_ptr, LUT_SELECT) * a, DOT_F32)
+            w_lo = _to_bf16(_nf4_value(packed & 15, lut_ptr, LUT_SELECT) * a, DOT_F32)
+            xmask = mmask[:, None] & kmask[None, :]
+            x_row = x_ptr + m[:, None].to(tl.int64) * sx + 2 * kk[None, :]
+            x_even = tl.load(x_row, mask=xmask, other=0.0)
+            x_odd = tl.load(x_row + 1, mask=xmask, other=0.0)
+            acc = _dot2(acc, x_even, x_odd, w_hi, w_lo, DOT_F32)
     if FINAL:
         if HAS_BIAS:
             acc = acc + tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]

@@ -131,7 +131,8 @@ def nf4_linear(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | None = None) 
     k["gemm"][(n_blocks, splits)](
         x2, w.packed, w.absmax32, w.lut, bias if bias is not None else out, out, part, M, N, K, x2.stride(0),
         out.stride(0), ks, HAS_BIAS=bias is not None, BLOCKSIZE=w.blocksize, BM=STEP_ROWS, BN=BN, BK=BK,
-        FINAL=final, LUT_SELECT=bool(cfg["lut_select"]), DOT_F32=interpret(), **extra)
+        FINAL=final, LUT_SELECT=bool(cfg["lut_select"]), ROW_BLOCKS=K % w.blocksize == 0 and BK % w.blocksize == 0,
+        DOT_F32=interpret(), **extra)
     if not final:
         RN = 1024
         k["reduce"][(M, triton.cdiv(N, RN))](part, bias if bias is not None else out, out, M, N, splits,

@@ -57,9 +57,13 @@ def _to_bf16(x, SOFT_ROUND: tl.constexpr):
 
 
 @triton.jit
-def _dot2(acc, x_even, x_odd, w_hi, w_lo, DOT_F32: tl.constexpr):
-    """acc + x_even w_hi^T + x_odd w_lo^T, FP32 sums of exact products."""
-    if DOT_F32:  # the interpreter's BF16 dot is wrong; the same exact products and FP32 sums, in FP32
+def _dot2(acc, x_even, x_odd, w_hi, w_lo, MMA: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc + x_even w_hi^T + x_odd w_lo^T, FP32 sums of exact products: on tensor cores (MMA), or as FP32 products
+    summed along the input in registers (a few rows: no operand shuffle through shared memory)."""
+    if not MMA:
+        acc += tl.sum(x_even.to(tl.float32)[:, None, :] * w_hi.to(tl.float32)[None, :, :], axis=2)
+        acc += tl.sum(x_odd.to(tl.float32)[:, None, :] * w_lo.to(tl.float32)[None, :, :], axis=2)
+    elif DOT_F32:  # the interpreter's BF16 dot is wrong; the same exact products and FP32 sums, in FP32
         acc += tl.dot(x_even.to(tl.float32), tl.trans(w_hi.to(tl.float32)), input_precision="ieee",
                       out_dtype=tl.float32)
         acc += tl.dot(x_odd.to(tl.float32), tl.trans(w_lo.to(tl.float32)), input_precision="ieee",
@@ -75,8 +79,8 @@ def nf4_small_gemm(x_ptr, w_ptr, am_ptr, lut_ptr, bias_ptr, out_ptr, part_ptr,
                    M, N, K, sx, so, KS,
                    HAS_BIAS: tl.constexpr, BLOCKSIZE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr, FINAL: tl.constexpr, LUT_SELECT: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-                   DOT_F32: tl.constexpr):
-    """Program (p, s): output features [p*BN, (p+1)*BN) for every row (at most BM), input elements [s*KS, (s+1)*KS)
+                   MMA: tl.constexpr, DOT_F32: tl.constexpr):
+    """Program (p, s, r): output features [p*BN, (p+1)*BN) for rows [r*BM, (r+1)*BM), input elements [s*KS, (s+1)*KS)
     in steps of BK (even elements x_even with the high nibbles, odd ones with the low nibbles). ROW_BLOCKS (the width
     is a multiple of the absmax block): each step is BK / BLOCKSIZE blocks, one absmax load per row and block,
     broadcast in registers; else one absmax gather per packed byte. FINAL (one split):
@@ -84,7 +88,7 @@ def nf4_small_gemm(x_ptr, w_ptr, am_ptr, lut_ptr, bias_ptr, out_ptr, part_ptr,
     pid_s = tl.program_id(1)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     nmask = n < N
-    m = tl.arange(0, BM)
+    m = tl.program_id(2) * BM + tl.arange(0, BM)
     mmask = m < M
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     KH = K // 2
@@ -108,7 +112,7 @@ def nf4_small_gemm(x_ptr, w_ptr, am_ptr, lut_ptr, bias_ptr, out_ptr, part_ptr,
                 x_row = x_ptr + m[:, None].to(tl.int64) * sx + 2 * kk[None, :]
                 x_even = tl.load(x_row, mask=xmask, other=0.0)
                 x_odd = tl.load(x_row + 1, mask=xmask, other=0.0)
-                acc = _dot2(acc, x_even, x_odd, w_hi, w_lo, DOT_F32)
+                acc = _dot2(acc, x_even, x_odd, w_hi, w_lo, MMA, DOT_F32)
     else:  # blocks straddle rows: each weight's absmax by its flattened index
         j = tl.arange(0, BK // 2)
         for k0 in range(k_lo, k_hi, BK):
@@ -124,7 +128,7 @@ def nf4_small_gemm(x_ptr, w_ptr, am_ptr, lut_ptr, bias_ptr, out_ptr, part_ptr,
             x_row = x_ptr + m[:, None].to(tl.int64) * sx + 2 * kk[None, :]
             x_even = tl.load(x_row, mask=xmask, other=0.0)
             x_odd = tl.load(x_row + 1, mask=xmask, other=0.0)
-            acc = _dot2(acc, x_even, x_odd, w_hi, w_lo, DOT_F32)
+            acc = _dot2(acc, x_even, x_odd, w_hi, w_lo, MMA, DOT_F32)
     if FINAL:
         if HAS_BIAS:
             acc = acc + tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]

@@ -47,9 +47,10 @@ STEP_ROWS = 16  # at most this many rows (batch x tokens) take the kernel
 # The launch layout: output features per program, input elements per step, the number of programs a projection aims
 # for (the input dimension is split until cdiv(N, block_n) x splits reaches it: a 4-row step is a matrix-vector
 # product and needs many programs in flight to keep HBM busy), warps, pipeline stages, and how the 16 NF4 levels are
-# looked up (a gather from the table, or selects in registers). The layout fixes the order of the sums for a shape;
+# looked up (a gather from the table, or selects in registers), and how the products are summed (mma: on tensor cores,
+# 16 rows per program; else FP32 products summed in registers, 4 rows per program). The layout fixes the order of the sums for a shape;
 # bench/kernel_sweep.py times the alternatives on the GPU and every choice is qualified as it is installed.
-CONFIG = {"block_n": 64, "block_k": 256, "programs": 512, "warps": 4, "stages": 3, "lut_select": False}
+CONFIG = {"block_n": 64, "block_k": 256, "programs": 512, "warps": 4, "stages": 3, "lut_select": False, "mma": True}
 
 
 class NF4Weight:
@@ -128,11 +129,13 @@ def nf4_linear(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | None = None) 
     _STATE["launches"] += 1  # counted (tests check the kernel really ran)
     extra = {} if interpret() else {"enable_fp_fusion": False, "num_warps": cfg["warps"], "num_stages": cfg["stages"]}
     k = _kernels()
-    k["gemm"][(n_blocks, splits)](
+    mma = bool(cfg["mma"])
+    bm = STEP_ROWS if mma else 4  # rows per program: tensor cores take 16; register products take 4 per program
+    k["gemm"][(n_blocks, splits, triton.cdiv(M, bm))](
         x2, w.packed, w.absmax32, w.lut, bias if bias is not None else out, out, part, M, N, K, x2.stride(0),
-        out.stride(0), ks, HAS_BIAS=bias is not None, BLOCKSIZE=w.blocksize, BM=STEP_ROWS, BN=BN, BK=BK,
+        out.stride(0), ks, HAS_BIAS=bias is not None, BLOCKSIZE=w.blocksize, BM=bm, BN=BN, BK=BK,
         FINAL=final, LUT_SELECT=bool(cfg["lut_select"]), ROW_BLOCKS=K % w.blocksize == 0 and BK % w.blocksize == 0,
-        DOT_F32=interpret(), **extra)
+        MMA=mma, DOT_F32=interpret(), **extra)
     if not final:
         RN = 1024
         k["reduce"][(M, triton.cdiv(N, RN))](part, bias if bias is not None else out, out, M, N, splits,

@@ -14,16 +14,17 @@ def test_the_kernel_dequantizes_bit_for_bit_and_is_as_accurate_as_dequantize_the
     step (1000), output counts below one program's block. Stated tolerance: relative L2 vs FP64 within 1.25x of the
     dequantize-then-matmul path's, largest error within 2x; the in-register weights equal the reference
     dequantization bit for bit; a row alone equals itself among others. Both layouts: the input split over several
-    programs (FP32 partials, then the reduction kernel) with the levels gathered from the table, and one program per
-    block of outputs (rounded in place) with the levels selected in registers."""
+    programs (FP32 partials, then the reduction kernel) with the levels gathered from the table and the products summed
+    in registers (4 rows per program), and one program per block of outputs (rounded in place) with the levels
+    selected in registers and the products on tensor cores."""
     out = _interpreted("""
         import json, torch
         from engine import nf4_kernels as NK
         cases = ((4, 64, 512, True), (3, 48, 640, False), (7, 40, 1000, True), (16, 32, 256, True),
                  (1, 20, 130, True))
         res = []
-        for cfg in ({"programs": 512, "lut_select": False, "block_k": 128},
-                    {"programs": 1, "lut_select": True, "block_n": 32}):
+        for cfg in ({"programs": 512, "lut_select": False, "block_k": 128, "mma": False},
+                    {"programs": 1, "lut_select": True, "block_n": 32, "mma": True}):
             NK.CONFIG.update(cfg)
             n0 = NK._STATE["launches"]
             res.append({"qualification": NK.qualify(torch.device("cpu"), cases=cases),

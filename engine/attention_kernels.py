@@ -49,7 +49,7 @@ _K: dict = {}
 # the cache length only), query rows (query heads of one KV head x query tokens) per program, warps and pipeline
 # stages. bench/kernel_sweep.py times the alternatives on the GPU; the order of the sums follows split_keys and
 # block_keys, so every choice is qualified as it is installed.
-CONFIG = {"split_keys": 256, "block_keys": 64, "rows": 16, "warps": 4, "stages": 2}
+CONFIG = {"split_keys": 256, "block_keys": 32, "rows": 16, "warps": 4, "stages": 3}  # the H200 sweep's best
 MAX_HEAD_DIM = 256
 
 

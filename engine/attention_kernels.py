@@ -8,22 +8,25 @@ bench/results/h200-recipe-27b-nf4-step-kernels-2026-12-02.json): ~3.3 ms of a 26
 GEMVs (gemmSN 2.4 ms, xmma 0.9 ms) plus the K/V casts inside 1.7 ms of cast copies -- for ~1 GB of BF16 K/V that
 HBM reads in ~0.2 ms.
 
-What: pass 1 (`split_pass`) runs one program per (batch row, KV head, key split of SPLIT_KEYS positions, block of
-ATTN_ROWS query rows): the query heads of a KV head are one block of rows (no repeat_kv), scores are BF16 x BF16
-products accumulated in FP32 -- the same exact products the PyTorch path's FP32 matmul forms from the same BF16
-values -- softmax runs online in FP32 and P @ V is an FP32 dot (IEEE, not TF32). Pass 2 (`combine_pass`) merges the
-splits and rounds once to BF16 (round to nearest even, like `.to(bfloat16)`). Masked scores take FP32's lowest finite
-value as masked_fill does there, so even a row that sees no key gives the PyTorch path's answer (the mean of V).
-Only the order of the sums differs, so the result is as accurate as the PyTorch path, not bit for bit equal; the
-split layout depends on the cache length only and the rows of a block do not mix, so a row's output does not depend
-on the batch size or the number of query tokens around it. Graphed and eager static steps run the same kernels, so
-their bitwise contract (engine/cuda_graphs.py) holds.
+What: pass 1 (`split_pass`) runs one program per (batch row, KV head, key split of CONFIG["split_keys"] positions,
+block of CONFIG["rows"] query rows): the query heads of a KV head are one block of rows (no repeat_kv), scores are
+BF16 x BF16 products accumulated in FP32 -- the same exact products the PyTorch path's FP32 matmul forms from the
+same BF16 values -- softmax runs online in FP32, and P @ V runs on tensor cores as three BF16 dots: P is split
+exactly into P1 = BF16(P), P2 = BF16(P - P1), P3 = P - P1 - P2 (a 24-bit FP32 mantissa in three 8-bit parts), so
+each product with a BF16 V value is exact and only the FP32 sums differ. Pass 2 (`combine_pass`) merges the splits
+and rounds once to BF16 (round to nearest even, like `.to(bfloat16)`). Masked scores take FP32's lowest finite value
+as masked_fill does there, so even a row that sees no key gives the PyTorch path's answer (the mean of V). Only the
+order of the sums differs, so the result is as accurate as the PyTorch path, not bit for bit equal; the split layout
+depends on the cache length only and the rows of a block do not mix, so a row's output does not depend on the batch
+size or the number of query tokens around it. Graphed and eager static steps run the same kernels, so their bitwise
+contract (engine/cuda_graphs.py) holds.
 
-Status (measured on one H200 at 01d680a, bench/results/h200-recipe-27b-nf4-attn-nf4-kernels-2026-12-02.json): the
-kernels qualify (errors equal to the PyTorch path's to 7 digits) but are slower: split_pass takes 0.86 ms per layer
-(the 27B latent step 35.97 ms graphed against 27.12 ms on the PyTorch path). Likely causes, not yet measured apart:
-the IEEE FP32 dot of P @ V (no tensor cores), a 16 x 256 FP32 accumulator per program, 4 sequential key blocks per
-split. Hence model.attention_kernels defaults to torch until they are tuned.
+Status (one H200, bench/results/h200-kernel-sweep-2026-12-03.json, `python3 bench/kernel_sweep.py --only
+attention`; batch 4, 24/4 heads, head dim 256, timed inside CUDA graphs): the layout sweep's best (256-key splits of
+32-key blocks, 4 warps, 3 stages; CONFIG) takes 0.030 ms per layer at 4k positions and 0.059 ms at 8k -- 16 layers
+0.48 / 0.94 ms against 5.13 / 9.77 ms on the PyTorch path (10.7x / 10.4x), 2.1x the HBM floor of reading the BF16
+K/V once (0.22 / 0.45 ms) -- and qualifies at that layout (errors equal to the PyTorch path's to 7 digits; a row
+alone and a token alone bit for bit). The first version (IEEE FP32 dot for P @ V) took 0.86 ms per layer.
 
 Use: `install(mode, device)` once per process before a static decoder captures a graph (engine.runtime does, beside
 the norm and adapter choices; model.attention_kernels). mode auto qualifies the kernels on the device against an

@@ -188,24 +188,24 @@ def sweep_nf4(dev, quick: bool) -> dict:
         print("nf4", json.dumps({k: v for k, v in row.items() if k != "ms"}), flush=True)
         return row
 
-    stage1 = [{"block_n": bn, "block_k": bk, "lut_select": ls, "mma": mma, "programs": 512, "warps": 4, "stages": 3}
-              for bn, bk, ls, mma in itertools.product((32, 64, 128, 256), (64, 128, 256, 512), (False, True),
-                                                       (True, False))
+    stage1 = [{"block_n": bn, "block_k": bk, "lut": lut, "mma": mma, "programs": 512, "warps": 4, "stages": 3}
+              for bn, bk, lut, mma in itertools.product((32, 64, 128, 256), (64, 256),
+                                                        ("pairs", "gather", "select"), (True, False))
               if mma or bn <= 128]  # register products: (4, BN, 32) FP32 per step
     if quick:
         stage1 = stage1[:3]
     rows = [run(c) for c in stage1]
     good = sorted((r for r in rows if r["ok"]), key=lambda r: r["step_ms"])
     stage2 = []
-    for best in good[:2]:
+    for best in good[:1]:
         for w, st, pr in itertools.product((4, 8), (2, 3, 4), (512, 1024)):
-            c = {"block_n": best["block_n"], "block_k": best["block_k"], "lut_select": best["lut_select"],
+            c = {"block_n": best["block_n"], "block_k": best["block_k"], "lut": best["lut"],
                  "mma": best["mma"], "programs": pr, "warps": w, "stages": st}
             if c not in stage2 and not any(all(r.get(k) == v for k, v in c.items()) for r in rows):
                 stage2.append(c)
     rows += [run(c) for c in (stage2[:4] if quick else stage2)]
     good = sorted((r for r in rows if r["ok"]), key=lambda r: r["step_ms"])
-    keys = ("block_n", "block_k", "lut_select", "mma", "programs", "warps", "stages")
+    keys = ("block_n", "block_k", "lut", "mma", "programs", "warps", "stages")
     best = good[0] if good else None
     NK.CONFIG.clear()
     NK.CONFIG.update({**default, **({k: best[k] for k in keys} if best else {})})

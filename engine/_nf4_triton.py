@@ -20,6 +20,22 @@ from engine._adapter_triton import bf16_rtne
 
 
 @triton.jit
+def _nf4_levels(packed, lut_ptr, LUT: tl.constexpr):
+    """The NF4 levels (FP32) of a packed byte's two codes: (even element's = high nibble, odd element's = low).
+    LUT "pairs": one 8-byte gather per byte from the 256-entry table of both levels' FP32 bits (L1-resident);
+    "gather": one 4-byte gather per code from the 16-entry table; "select": a tree of selects over each code's bits
+    among the 16 values held in registers."""
+    if LUT == "pairs":
+        v = tl.load(lut_ptr + packed.to(tl.int32))
+        hi = v.to(tl.int32).to(tl.float32, bitcast=True)
+        lo = (v >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        return hi, lo
+    else:
+        sel: tl.constexpr = LUT == "select"
+        return _nf4_value((packed >> 4) & 15, lut_ptr, sel), _nf4_value(packed & 15, lut_ptr, sel)
+
+
+@triton.jit
 def _nf4_value(c, lut_ptr, LUT_SELECT: tl.constexpr):
     """The NF4 level of 4-bit codes c: a gather from the 16-entry table (L1-resident), or a tree of selects over the
     code's bits among the 16 values held in registers."""
@@ -78,7 +94,7 @@ def _dot2(acc, x_even, x_odd, w_hi, w_lo, MMA: tl.constexpr, DOT_F32: tl.constex
 def nf4_small_gemm(x_ptr, w_ptr, am_ptr, lut_ptr, bias_ptr, out_ptr, part_ptr,
                    M, N, K, sx, so, KS,
                    HAS_BIAS: tl.constexpr, BLOCKSIZE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, FINAL: tl.constexpr, LUT_SELECT: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+                   BK: tl.constexpr, FINAL: tl.constexpr, LUT: tl.constexpr, ROW_BLOCKS: tl.constexpr,
                    MMA: tl.constexpr, DOT_F32: tl.constexpr):
     """Program (p, s, r): output features [p*BN, (p+1)*BN) for rows [r*BM, (r+1)*BM), input elements [s*KS, (s+1)*KS)
     in steps of BK (even elements x_even with the high nibbles, odd ones with the low nibbles). ROW_BLOCKS (the width
@@ -106,8 +122,9 @@ def nf4_small_gemm(x_ptr, w_ptr, am_ptr, lut_ptr, bias_ptr, out_ptr, part_ptr,
                 ok = kk < k_hi // 2  # (HB,): the whole block is in the split or none of it
                 packed = tl.load(wrow[:, None] + kk[None, :], mask=nmask[:, None] & ok[None, :], other=0)
                 a = tl.load(arow + kb0 // BLOCKSIZE, mask=nmask & (n * 0 + kb0 < k_hi), other=0.0)[:, None]
-                w_hi = _to_bf16(_nf4_value((packed >> 4) & 15, lut_ptr, LUT_SELECT) * a, DOT_F32)
-                w_lo = _to_bf16(_nf4_value(packed & 15, lut_ptr, LUT_SELECT) * a, DOT_F32)
+                v_hi, v_lo = _nf4_levels(packed, lut_ptr, LUT)
+                w_hi = _to_bf16(v_hi * a, DOT_F32)
+                w_lo = _to_bf16(v_lo * a, DOT_F32)
                 xmask = mmask[:, None] & ok[None, :]
                 x_row = x_ptr + m[:, None].to(tl.int64) * sx + 2 * kk[None, :]
                 x_even = tl.load(x_row, mask=xmask, other=0.0)
@@ -122,8 +139,9 @@ def nf4_small_gemm(x_ptr, w_ptr, am_ptr, lut_ptr, bias_ptr, out_ptr, part_ptr,
             packed = tl.load(w_ptr + n[:, None].to(tl.int64) * KH + kk[None, :], mask=wmask, other=0)
             a = tl.load(am_ptr + (n[:, None].to(tl.int64) * K + 2 * kk[None, :]) // BLOCKSIZE, mask=wmask,
                         other=0.0)
-            w_hi = _to_bf16(_nf4_value((packed >> 4) & 15, lut_ptr, LUT_SELECT) * a, DOT_F32)
-            w_lo = _to_bf16(_nf4_value(packed & 15, lut_ptr, LUT_SELECT) * a, DOT_F32)
+            v_hi, v_lo = _nf4_levels(packed, lut_ptr, LUT)
+            w_hi = _to_bf16(v_hi * a, DOT_F32)
+            w_lo = _to_bf16(v_lo * a, DOT_F32)
             xmask = mmask[:, None] & kmask[None, :]
             x_row = x_ptr + m[:, None].to(tl.int64) * sx + 2 * kk[None, :]
             x_even = tl.load(x_row, mask=xmask, other=0.0)

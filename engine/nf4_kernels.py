@@ -47,10 +47,11 @@ STEP_ROWS = 16  # at most this many rows (batch x tokens) take the kernel
 # The launch layout: output features per program, input elements per step, the number of programs a projection aims
 # for (the input dimension is split until cdiv(N, block_n) x splits reaches it: a 4-row step is a matrix-vector
 # product and needs many programs in flight to keep HBM busy), warps, pipeline stages, and how the 16 NF4 levels are
-# looked up (a gather from the table, or selects in registers), and how the products are summed (mma: on tensor cores,
+# looked up (lut: "gather" from the 16-entry table per element, "pairs" from a 256-entry table of both levels of a
+# byte, "select" in registers), and how the products are summed (mma: on tensor cores,
 # 16 rows per program; else FP32 products summed in registers, 4 rows per program). The layout fixes the order of the sums for a shape;
 # bench/kernel_sweep.py times the alternatives on the GPU and every choice is qualified as it is installed.
-CONFIG = {"block_n": 64, "block_k": 256, "programs": 512, "warps": 4, "stages": 3, "lut_select": False, "mma": True}
+CONFIG = {"block_n": 64, "block_k": 256, "programs": 512, "warps": 4, "stages": 3, "lut": "gather", "mma": True}
 
 
 class NF4Weight:
@@ -65,6 +66,17 @@ class NF4Weight:
         self.blocksize2, self.offset = int(blocksize2), float(offset)
         self.nested = absmax2 is not None
         self._absmax32 = None
+        self._pairs = None
+
+    @property
+    def pairs(self) -> torch.Tensor:
+        """The two levels of every packed byte as one int64 (256,): low 32 bits the FP32 bits of nf4[byte >> 4] (the
+        even element), high 32 bits those of nf4[byte & 15] -- one 8-byte load decodes both weights of a byte."""
+        if self._pairs is None:
+            bits = self.lut.float().contiguous().view(torch.int32).long() & 0xFFFFFFFF
+            b = torch.arange(256, device=self.lut.device)
+            self._pairs = bits[b >> 4] | (bits[b & 15] << 32)
+        return self._pairs
 
     @property
     def absmax32(self) -> torch.Tensor:
@@ -132,9 +144,9 @@ def nf4_linear(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | None = None) 
     mma = bool(cfg["mma"])
     bm = STEP_ROWS if mma else 4  # rows per program: tensor cores take 16; register products take 4 per program
     k["gemm"][(n_blocks, splits, triton.cdiv(M, bm))](
-        x2, w.packed, w.absmax32, w.lut, bias if bias is not None else out, out, part, M, N, K, x2.stride(0),
+        x2, w.packed, w.absmax32, w.pairs if cfg["lut"] == "pairs" else w.lut, bias if bias is not None else out, out, part, M, N, K, x2.stride(0),
         out.stride(0), ks, HAS_BIAS=bias is not None, BLOCKSIZE=w.blocksize, BM=bm, BN=BN, BK=BK,
-        FINAL=final, LUT_SELECT=bool(cfg["lut_select"]), ROW_BLOCKS=K % w.blocksize == 0 and BK % w.blocksize == 0,
+        FINAL=final, LUT=cfg["lut"], ROW_BLOCKS=K % w.blocksize == 0 and BK % w.blocksize == 0,
         MMA=mma, DOT_F32=interpret(), **extra)
     if not final:
         RN = 1024

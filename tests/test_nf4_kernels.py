@@ -15,16 +15,17 @@ def test_the_kernel_dequantizes_bit_for_bit_and_is_as_accurate_as_dequantize_the
     dequantize-then-matmul path's, largest error within 2x; the in-register weights equal the reference
     dequantization bit for bit; a row alone equals itself among others. Both layouts: the input split over several
     programs (FP32 partials, then the reduction kernel) with the levels gathered from the table and the products summed
-    in registers (4 rows per program), and one program per block of outputs (rounded in place) with the levels
-    selected in registers and the products on tensor cores."""
+    in registers (4 rows per program), one program per block of outputs (rounded in place) with the levels selected
+    in registers and the products on tensor cores, and both levels of a byte gathered at once."""
     out = _interpreted("""
         import json, torch
         from engine import nf4_kernels as NK
         cases = ((4, 64, 512, True), (3, 48, 640, False), (7, 40, 1000, True), (16, 32, 256, True),
                  (1, 20, 130, True))
         res = []
-        for cfg in ({"programs": 512, "lut_select": False, "block_k": 128, "mma": False},
-                    {"programs": 1, "lut_select": True, "block_n": 32, "mma": True}):
+        for cfg in ({"programs": 512, "lut": "gather", "block_k": 128, "mma": False},
+                    {"programs": 1, "lut": "select", "block_n": 32, "mma": True},
+                    {"programs": 512, "lut": "pairs", "block_k": 64, "mma": True}):
             NK.CONFIG.update(cfg)
             n0 = NK._STATE["launches"]
             res.append({"qualification": NK.qualify(torch.device("cpu"), cases=cases),
@@ -36,7 +37,8 @@ def test_the_kernel_dequantizes_bit_for_bit_and_is_as_accurate_as_dequantize_the
     for r in out:
         assert r["qualification"]["passed"], r
         assert len(r["qualification"]["cases"]) == 5
-    for c in out[0]["qualification"]["cases"] + out[1]["qualification"]["cases"]:
+    assert len(out) == 3
+    for c in [c for r in out for c in r["qualification"]["cases"]]:
         assert c["dequant_bitwise"] and c["row_alone_bitwise"], c
         assert c["kernel_rel_l2"] <= 1.25 * c["torch_rel_l2"] + 1e-6, c
         assert c["kernel_max_abs"] <= 2.0 * c["torch_max_abs"] + 1e-6, c

@@ -8,14 +8,18 @@ of the model's BF16 copy in traffic) and multiplies. Measured on one H200 at the
 latent step's kernel time, 0.4 TB/s on 13.5 GB of NF4. Read at HBM speed, the NF4 weights (~4.3 bits per
 parameter with the absmax) take ~3 ms -- a quarter of the BF16 copy's 10.8 ms floor.
 
-What: `nf4_small_gemm` (engine/_nf4_triton.py): one program per block of output features, the whole input dimension
-in steps; each packed byte's two weights are dequantized exactly as bitsandbytes.functional.dequantize_4bit does --
-absmax = code2[q] * absmax2 + offset for a nested (double-quantized) state, then BF16(nf4[c] * absmax), every step
-rounded in FP32 as its kernels round -- and multiplied with the BF16 rows in FP32 (exact products), summed in FP32,
-rounded once to BF16. So the products are those of the dequantize-then-matmul path and only the order of the sums
-differs from cuBLAS's: not bit for bit bitsandbytes' result, as accurate (the qualification checks both: the
-in-register weights equal dequantize_4bit's bit for bit, and the outputs against FP64 are within 1.25x of the
-dequantize-then-matmul path's error). A row's result does not depend on the other rows (fixed per-shape layout).
+What: `nf4_small_gemm` (engine/_nf4_triton.py): programs over blocks of output features x splits of the input
+dimension (enough programs to keep HBM busy: a 4-row step is a matrix-vector product), FP32 partials summed in
+split order by `nf4_reduce`, rounded once to BF16. Each packed byte's two weights are dequantized exactly as
+bitsandbytes.functional.dequantize_4bit does it -- absmax = code2[q] * absmax2 + offset for a nested
+(double-quantized) state, decoded once per weight into FP32 beside the packed codes (NF4Weight.absmax32, ~0.5 bit
+per weight), then BF16(nf4[c] * absmax), every step rounded in FP32 as its kernels round -- and multiplied with the
+BF16 rows (exact products) on tensor cores or in registers, summed in FP32. So the products are those of the
+dequantize-then-matmul path and only the order of the sums differs from cuBLAS's: not bit for bit bitsandbytes'
+result, as accurate (the qualification checks both: the in-register weights equal dequantize_4bit's bit for bit,
+and the outputs against FP64 are within 1.25x of the dequantize-then-matmul path's error). A row's result does not
+depend on the other rows (fixed per-shape layout). CONFIG holds the launch layout; bench/kernel_sweep.py times the
+alternatives.
 
 Status (measured on one H200 at 01d680a, bench/results/h200-recipe-27b-nf4-attn-nf4-kernels-2026-12-02.json):
 qualified -- the in-register weights equal dequantize_4bit's bit for bit on every 27B shape -- but far slower: the

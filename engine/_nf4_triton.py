@@ -91,6 +91,21 @@ def _dot2(acc, x_even, x_odd, w_hi, w_lo, MMA: tl.constexpr, DOT_F32: tl.constex
 
 
 @triton.jit
+def _accumulate(acc, packed, a, lut_ptr, x_ptr, m, mmask, sx, kk, kmask, LUT: tl.constexpr, MMA: tl.constexpr,
+                DOT_F32: tl.constexpr):
+    """acc + the products of rows m with the weights of packed bytes kk (absmax a): dequantized as dequantize_4bit
+    does -- BF16(level * absmax) -- then the even elements with x's even columns, the odd ones with its odd columns."""
+    v_hi, v_lo = _nf4_levels(packed, lut_ptr, LUT)
+    w_hi = _to_bf16(v_hi * a, DOT_F32)
+    w_lo = _to_bf16(v_lo * a, DOT_F32)
+    xmask = mmask[:, None] & kmask[None, :]
+    x_row = x_ptr + m[:, None].to(tl.int64) * sx + 2 * kk[None, :]
+    x_even = tl.load(x_row, mask=xmask, other=0.0)
+    x_odd = tl.load(x_row + 1, mask=xmask, other=0.0)
+    return _dot2(acc, x_even, x_odd, w_hi, w_lo, MMA, DOT_F32)
+
+
+@triton.jit
 def nf4_small_gemm(x_ptr, w_ptr, am_ptr, lut_ptr, bias_ptr, out_ptr, part_ptr,
                    M, N, K, sx, so, KS,
                    HAS_BIAS: tl.constexpr, BLOCKSIZE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -122,14 +137,7 @@ def nf4_small_gemm(x_ptr, w_ptr, am_ptr, lut_ptr, bias_ptr, out_ptr, part_ptr,
                 ok = kk < k_hi // 2  # (HB,): the whole block is in the split or none of it
                 packed = tl.load(wrow[:, None] + kk[None, :], mask=nmask[:, None] & ok[None, :], other=0)
                 a = tl.load(arow + kb0 // BLOCKSIZE, mask=nmask & (n * 0 + kb0 < k_hi), other=0.0)[:, None]
-                v_hi, v_lo = _nf4_levels(packed, lut_ptr, LUT)
-                w_hi = _to_bf16(v_hi * a, DOT_F32)
-                w_lo = _to_bf16(v_lo * a, DOT_F32)
-                xmask = mmask[:, None] & ok[None, :]
-                x_row = x_ptr + m[:, None].to(tl.int64) * sx + 2 * kk[None, :]
-                x_even = tl.load(x_row, mask=xmask, other=0.0)
-                x_odd = tl.load(x_row + 1, mask=xmask, other=0.0)
-                acc = _dot2(acc, x_even, x_odd, w_hi, w_lo, MMA, DOT_F32)
+                acc = _accumulate(acc, packed, a, lut_ptr, x_ptr, m, mmask, sx, kk, ok, LUT, MMA, DOT_F32)
     else:  # blocks straddle rows: each weight's absmax by its flattened index
         j = tl.arange(0, BK // 2)
         for k0 in range(k_lo, k_hi, BK):
@@ -139,14 +147,7 @@ def nf4_small_gemm(x_ptr, w_ptr, am_ptr, lut_ptr, bias_ptr, out_ptr, part_ptr,
             packed = tl.load(w_ptr + n[:, None].to(tl.int64) * KH + kk[None, :], mask=wmask, other=0)
             a = tl.load(am_ptr + (n[:, None].to(tl.int64) * K + 2 * kk[None, :]) // BLOCKSIZE, mask=wmask,
                         other=0.0)
-            v_hi, v_lo = _nf4_levels(packed, lut_ptr, LUT)
-            w_hi = _to_bf16(v_hi * a, DOT_F32)
-            w_lo = _to_bf16(v_lo * a, DOT_F32)
-            xmask = mmask[:, None] & kmask[None, :]
-            x_row = x_ptr + m[:, None].to(tl.int64) * sx + 2 * kk[None, :]
-            x_even = tl.load(x_row, mask=xmask, other=0.0)
-            x_odd = tl.load(x_row + 1, mask=xmask, other=0.0)
-            acc = _dot2(acc, x_even, x_odd, w_hi, w_lo, MMA, DOT_F32)
+            acc = _accumulate(acc, packed, a, lut_ptr, x_ptr, m, mmask, sx, kk, kmask, LUT, MMA, DOT_F32)
     if FINAL:
         if HAS_BIAS:
             acc = acc + tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]

@@ -52,21 +52,22 @@ class ModelConfig(_Strict):
                             "expressions, not bit for bit theirs (one log line otherwise) -- transformers' expressions "
                             "on the CPU; torch = transformers' expressions always")
     attention_kernels: Literal["auto", "torch"] = Field(
-        "torch", description="attention of short queries over the static K/V cache (latent loop and decode: "
-                             "engine/attention_kernels.py): auto = two Triton kernels reading the BF16 K/V in place, "
-                             "FP32 softmax and P·V, where they qualify on this GPU -- as accurate against FP64 as the "
-                             "FP32 PyTorch path, not bit for bit it (the sums run in another order); torch (default) = "
-                             "the FP32 PyTorch path. The kernels qualify on the H200 but are slower there today "
-                             "(27B latent step 35.97 vs 27.12 ms: bench/results/h200-recipe-27b-nf4-attn-nf4-kernels-"
-                             "2026-12-02.json)")
+        "auto", description="attention of short queries over the static K/V cache (latent loop and decode: "
+                            "engine/attention_kernels.py): auto (default) = two Triton kernels reading the BF16 K/V in "
+                            "place, FP32 softmax, P·V as exact products on tensor cores, where they qualify on this GPU "
+                            "-- as accurate against FP64 as the FP32 PyTorch path, not bit for bit it (the sums run in "
+                            "another order) -- the PyTorch path elsewhere (CPU; one log line); torch = the FP32 "
+                            "PyTorch path always. On the H200: 16 layers 0.48 vs 5.13 ms at 4k positions, 27B latent "
+                            "step 22.2 vs 26.9 ms (bench/results/h200-recipe-27b-nf4-kernels-2026-12-03.json)")
     nf4_kernels: Literal["auto", "torch"] = Field(
         "torch", description="NF4 projections of single-token steps (at most 16 rows, no gradient: "
                              "engine/nf4_kernels.py): auto = one Triton kernel that dequantizes the 4-bit weights in "
                              "registers -- bit for bit bitsandbytes' dequantized values, products summed in FP32 in "
                              "another order than cuBLAS's -- where it qualifies on this GPU, bitsandbytes' forward "
                              "everywhere else (prefill, replay, CPU); torch (default) = bitsandbytes' forward always. "
-                             "The kernel qualifies on the H200 but is far slower there today (NF4 27B latent step "
-                             "445 vs 58 ms: its per-element table lookups are not yet tuned)")
+                             "The kernel qualifies on the H200 but is still slower there (NF4 27B latent step 48.3 vs "
+                             "43.5 ms: decoding the 16 levels costs more than reading them; "
+                             "bench/results/h200-recipe-27b-nf4-kernels-2026-12-03.json)")
     init_seed: int = Field(0, description="seed of the random initialization (tiny / random)")
     attention_fp32: bool = Field(
         False, description="attention cores (QK^T, softmax, P·V) in FP32 in the trainer and the hf sampler, in every "

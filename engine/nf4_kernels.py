@@ -21,12 +21,16 @@ and the outputs against FP64 are within 1.25x of the dequantize-then-matmul path
 depend on the other rows (fixed per-shape layout). CONFIG holds the launch layout; bench/kernel_sweep.py times the
 alternatives.
 
-Status (measured on one H200 at 01d680a, bench/results/h200-recipe-27b-nf4-attn-nf4-kernels-2026-12-02.json):
-qualified -- the in-register weights equal dequantize_4bit's bit for bit on every 27B shape -- but far slower: the
-NF4 trainer's latent step takes 445 ms with the kernel against 58 ms with bitsandbytes (0.85 ms per projection;
-floor 3.24 ms for all). Each weight element gathers its table entry, absmax byte, absmax2 and code2 value from
-memory; the fix is to load one absmax per 64-element block and look the 16 levels up in registers. Hence
-model.nf4_kernels defaults to torch until it is tuned.
+Status (one H200, 2026-12-03; bench/results/h200-kernel-sweep-nf4-2026-12-03.json, `python3 bench/kernel_sweep.py
+--only nf4`: 4 rows through the 496 projections of the 27B model, timed inside CUDA graphs): qualified at every
+layout -- the in-register weights equal dequantize_4bit's bit for bit -- and 39.4 ms per step at the best one
+(CONFIG: 128 outputs x 64 inputs per step, levels selected in registers, tensor cores, 1,024 programs), against
+bitsandbytes' 34.9 ms, cuBLAS on the BF16 copy 13.9 ms and an NF4 floor of 2.9 ms; gathering the levels from a
+table (per code or per byte pair) took 90-95 ms, products in registers instead of tensor cores 106-111 ms. The first
+version gathered the absmax per byte (66 ms). The NF4 trainer's latent step: 48.3 ms with the kernel, 43.5 ms with
+bitsandbytes (bench/results/h200-recipe-27b-nf4-kernels-2026-12-03.json). The kernel is bound by decoding (~50
+instructions per weight), not by memory; hence model.nf4_kernels defaults to torch. Next: a cheaper level lookup
+(register shuffles, or byte permutes of the table's bytes).
 
 Use: `install(mode, device)` once per process before a static decoder captures a graph (engine.runtime does;
 model.nf4_kernels). It patches bitsandbytes' Linear4bit.forward: inputs of at most STEP_ROWS rows, BF16, not

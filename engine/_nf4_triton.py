@@ -94,10 +94,19 @@ def _dot2(acc, x_even, x_odd, w_hi, w_lo, MMA: tl.constexpr, DOT_F32: tl.constex
 def _accumulate(acc, packed, a, lut_ptr, x_ptr, m, mmask, sx, kk, kmask, LUT: tl.constexpr, MMA: tl.constexpr,
                 DOT_F32: tl.constexpr):
     """acc + the products of rows m with the weights of packed bytes kk (absmax a): dequantized as dequantize_4bit
-    does -- BF16(level * absmax) -- then the even elements with x's even columns, the odd ones with its odd columns."""
-    v_hi, v_lo = _nf4_levels(packed, lut_ptr, LUT)
-    w_hi = _to_bf16(v_hi * a, DOT_F32)
-    w_lo = _to_bf16(v_lo * a, DOT_F32)
+    does -- BF16(level * absmax) -- then the even elements with x's even columns, the odd ones with its odd columns.
+    LUT "shuffle" (a is one absmax per row): the 16 dequantized values of each row's block are computed once and
+    each weight gathers its own from that per-row table in registers (tl.gather); the same products, rounded the
+    same way, so the weights are the same bits."""
+    if LUT == "shuffle":
+        levels = tl.load(lut_ptr + tl.arange(0, 16))
+        tab = _to_bf16(levels[None, :] * a, DOT_F32)  # (rows, 16): BF16(nf4[c] * absmax) for every code c
+        w_hi = tl.gather(tab, ((packed >> 4) & 15).to(tl.int32), axis=1)
+        w_lo = tl.gather(tab, (packed & 15).to(tl.int32), axis=1)
+    else:
+        v_hi, v_lo = _nf4_levels(packed, lut_ptr, LUT)
+        w_hi = _to_bf16(v_hi * a, DOT_F32)
+        w_lo = _to_bf16(v_lo * a, DOT_F32)
     xmask = mmask[:, None] & kmask[None, :]
     x_row = x_ptr + m[:, None].to(tl.int64) * sx + 2 * kk[None, :]
     x_even = tl.load(x_row, mask=xmask, other=0.0)

@@ -56,7 +56,8 @@ STEP_ROWS = 16  # at most this many rows (batch x tokens) take the kernel
 # for (the input dimension is split until cdiv(N, block_n) x splits reaches it: a 4-row step is a matrix-vector
 # product and needs many programs in flight to keep HBM busy), warps, pipeline stages, and how the 16 NF4 levels are
 # looked up (lut: "gather" from the 16-entry table per element, "pairs" from a 256-entry table of both levels of a
-# byte, "select" in registers), and how the products are summed (mma: on tensor cores,
+# byte, "select" in registers, "shuffle": each row's 16 dequantized values per block computed once and gathered in
+# registers -- widths that are not a multiple of the absmax block use "select"), and how the products are summed (mma: on tensor cores,
 # 16 rows per program; else FP32 products summed in registers, 4 rows per program). The layout fixes the order of the sums for a shape;
 # bench/kernel_sweep.py times the alternatives on the GPU and every choice is qualified as it is installed.
 CONFIG = {"block_n": 64, "block_k": 256, "programs": 512, "warps": 4, "stages": 3, "lut": "gather", "mma": True}
@@ -150,11 +151,13 @@ def nf4_linear(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | None = None) 
     extra = {} if interpret() else {"enable_fp_fusion": False, "num_warps": cfg["warps"], "num_stages": cfg["stages"]}
     k = _kernels()
     mma = bool(cfg["mma"])
+    row_blocks = K % w.blocksize == 0 and BK % w.blocksize == 0  # one absmax per row and block (every 27B shape)
+    lut = cfg["lut"] if (cfg["lut"] != "shuffle" or row_blocks) else "select"  # a per-row table needs row blocks
     bm = STEP_ROWS if mma else 4  # rows per program: tensor cores take 16; register products take 4 per program
     k["gemm"][(n_blocks, splits, triton.cdiv(M, bm))](
-        x2, w.packed, w.absmax32, w.pairs if cfg["lut"] == "pairs" else w.lut, bias if bias is not None else out, out, part, M, N, K, x2.stride(0),
+        x2, w.packed, w.absmax32, w.pairs if lut == "pairs" else w.lut, bias if bias is not None else out, out, part, M, N, K, x2.stride(0),
         out.stride(0), ks, HAS_BIAS=bias is not None, BLOCKSIZE=w.blocksize, BM=bm, BN=BN, BK=BK,
-        FINAL=final, LUT=cfg["lut"], ROW_BLOCKS=K % w.blocksize == 0 and BK % w.blocksize == 0,
+        FINAL=final, LUT=lut, ROW_BLOCKS=row_blocks,
         MMA=mma, DOT_F32=interpret(), **extra)
     if not final:
         RN = 1024

@@ -16,7 +16,8 @@ def test_the_kernel_dequantizes_bit_for_bit_and_is_as_accurate_as_dequantize_the
     dequantization bit for bit; a row alone equals itself among others. Both layouts: the input split over several
     programs (FP32 partials, then the reduction kernel) with the levels gathered from the table and the products summed
     in registers (4 rows per program), one program per block of outputs (rounded in place) with the levels selected
-    in registers and the products on tensor cores, and both levels of a byte gathered at once."""
+    in registers and the products on tensor cores, both levels of a byte gathered at once, and each row's 16
+    dequantized values per block gathered in registers."""
     out = _interpreted("""
         import json, torch
         from engine import nf4_kernels as NK
@@ -25,7 +26,8 @@ def test_the_kernel_dequantizes_bit_for_bit_and_is_as_accurate_as_dequantize_the
         res = []
         for cfg in ({"programs": 512, "lut": "gather", "block_k": 128, "mma": False},
                     {"programs": 1, "lut": "select", "block_n": 32, "mma": True},
-                    {"programs": 512, "lut": "pairs", "block_k": 64, "mma": True}):
+                    {"programs": 512, "lut": "pairs", "block_k": 64, "mma": True},
+                    {"programs": 512, "lut": "shuffle", "block_k": 128, "mma": True}):
             NK.CONFIG.update(cfg)
             n0 = NK._STATE["launches"]
             res.append({"qualification": NK.qualify(torch.device("cpu"), cases=cases),
@@ -37,7 +39,7 @@ def test_the_kernel_dequantizes_bit_for_bit_and_is_as_accurate_as_dequantize_the
     for r in out:
         assert r["qualification"]["passed"], r
         assert len(r["qualification"]["cases"]) == 5
-    assert len(out) == 3
+    assert len(out) == 4
     for c in [c for r in out for c in r["qualification"]["cases"]]:
         assert c["dequant_bitwise"] and c["row_alone_bitwise"], c
         assert c["kernel_rel_l2"] <= 1.25 * c["torch_rel_l2"] + 1e-6, c

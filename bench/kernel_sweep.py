@@ -136,7 +136,7 @@ def sweep_attention(dev, quick: bool) -> dict:
     return out
 
 
-def sweep_nf4(dev, quick: bool) -> dict:
+def sweep_nf4(dev, quick: bool, luts=("shuffle", "select"), mmas=(True, False)) -> dict:
     import bitsandbytes as bnb
     import torch
 
@@ -190,7 +190,7 @@ def sweep_nf4(dev, quick: bool) -> dict:
 
     stage1 = [{"block_n": bn, "block_k": bk, "lut": lut, "mma": mma, "programs": 512, "warps": 4, "stages": 3}
               for bn, bk, lut, mma in itertools.product((32, 64, 128, 256), (64, 256),
-                                                        ("shuffle", "select"), (True, False))  # gather/pairs: 90-95 ms (2026-12-03)
+                                                        luts, mmas)  # gather/pairs: 90-95 ms (2026-12-03)
               if mma or bn <= 128]  # register products: (4, BN, 32) FP32 per step
     if quick:
         stage1 = stage1[:3]
@@ -230,6 +230,9 @@ def main() -> int:
     p.add_argument("--out", default=None, help="write the JSON here")
     p.add_argument("--only", choices=["attention", "nf4"], default=None)
     p.add_argument("--quick", action="store_true", help="a few layouts only (a smoke run)")
+    p.add_argument("--luts", nargs="+", default=["shuffle", "select"], choices=["shuffle", "select", "gather", "pairs"],
+                   help="NF4 level lookups to sweep (engine.nf4_kernels.CONFIG lut)")
+    p.add_argument("--tensor-cores-only", action="store_true", help="NF4: skip the register-product layouts")
     a = p.parse_args()
     import torch
 
@@ -246,7 +249,7 @@ def main() -> int:
         res["attention"] = sweep_attention(dev, a.quick)
         print("attention best", res["attention"]["best"], res["attention"].get("per_step_ms_16_layers"), flush=True)
     if a.only in (None, "nf4"):
-        res["nf4"] = sweep_nf4(dev, a.quick)
+        res["nf4"] = sweep_nf4(dev, a.quick, tuple(a.luts), (True,) if a.tensor_cores_only else (True, False))
         print("nf4 best", res["nf4"]["best"], res["nf4"]["per_step_ms_496_projections"], flush=True)
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     if a.out:

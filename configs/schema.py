@@ -60,14 +60,13 @@ class ModelConfig(_Strict):
                             "PyTorch path always. On the H200: 16 layers 0.48 vs 5.13 ms at 4k positions, 27B latent "
                             "step 22.2 vs 26.9 ms (bench/results/h200-recipe-27b-nf4-kernels-2026-12-03.json)")
     nf4_kernels: Literal["auto", "torch"] = Field(
-        "torch", description="NF4 projections of single-token steps (at most 16 rows, no gradient: "
-                             "engine/nf4_kernels.py): auto = one Triton kernel that dequantizes the 4-bit weights in "
-                             "registers -- bit for bit bitsandbytes' dequantized values, products summed in FP32 in "
-                             "another order than cuBLAS's -- where it qualifies on this GPU, bitsandbytes' forward "
-                             "everywhere else (prefill, replay, CPU); torch (default) = bitsandbytes' forward always. "
-                             "The kernel qualifies on the H200 but is still slower there (NF4 27B latent step 48.3 vs "
-                             "43.5 ms: decoding the 16 levels costs more than reading them; "
-                             "bench/results/h200-recipe-27b-nf4-kernels-2026-12-03.json)")
+        "auto", description="NF4 projections of single-token steps (at most 16 rows, no gradient: "
+                            "engine/nf4_kernels.py): auto (default) = one Triton kernel that dequantizes the 4-bit "
+                            "weights in registers -- bit for bit bitsandbytes' dequantized values, products summed in "
+                            "FP32 in another order than cuBLAS's -- where it qualifies on this GPU, bitsandbytes' "
+                            "forward everywhere else (prefill, replay, CPU); torch = bitsandbytes' forward always. On "
+                            "the H200: 24.7 vs 34.9 ms per step of the 27B model's 496 projections at 4 rows "
+                            "(bench/results/h200-kernel-sweep-nf4-shuffle-2026-12-03.json)")
     init_seed: int = Field(0, description="seed of the random initialization (tiny / random)")
     attention_fp32: bool = Field(
         False, description="attention cores (QK^T, softmax, P·V) in FP32 in the trainer and the hf sampler, in every "

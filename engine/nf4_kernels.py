@@ -21,16 +21,17 @@ and the outputs against FP64 are within 1.25x of the dequantize-then-matmul path
 depend on the other rows (fixed per-shape layout). CONFIG holds the launch layout; bench/kernel_sweep.py times the
 alternatives.
 
-Status (one H200, 2026-12-03; bench/results/h200-kernel-sweep-nf4-2026-12-03.json, `python3 bench/kernel_sweep.py
---only nf4`: 4 rows through the 496 projections of the 27B model, timed inside CUDA graphs): qualified at every
-layout -- the in-register weights equal dequantize_4bit's bit for bit -- and 39.4 ms per step at the best one
-(CONFIG: 128 outputs x 64 inputs per step, levels selected in registers, tensor cores, 1,024 programs), against
-bitsandbytes' 34.9 ms, cuBLAS on the BF16 copy 13.9 ms and an NF4 floor of 2.9 ms; gathering the levels from a
-table (per code or per byte pair) took 90-95 ms, products in registers instead of tensor cores 106-111 ms. The first
-version gathered the absmax per byte (66 ms). The NF4 trainer's latent step: 48.3 ms with the kernel, 43.5 ms with
-bitsandbytes (bench/results/h200-recipe-27b-nf4-kernels-2026-12-03.json). The kernel is bound by decoding (~50
-instructions per weight), not by memory; hence model.nf4_kernels defaults to torch. Next: a cheaper level lookup
-(register shuffles, or byte permutes of the table's bytes).
+Status (one H200, 2026-12-03; `python3 bench/kernel_sweep.py --only nf4`: 4 rows through the 496 projections of
+the 27B model, timed inside CUDA graphs): qualified at every layout -- the in-register weights equal
+dequantize_4bit's bit for bit -- and **24.7 ms per step** at CONFIG's layout (128 outputs x 64 inputs per step; each
+row's 16 dequantized values per absmax block computed once and gathered in registers; tensor cores; 1,024 programs;
+bench/results/h200-kernel-sweep-nf4-shuffle-2026-12-03.json), against bitsandbytes' 34.9 ms, cuBLAS on the BF16
+copy 13.7 ms and an NF4 floor of 2.9 ms. Earlier layouts (bench/results/h200-kernel-sweep-nf4-2026-12-03.json): a
+15-way select per weight 39.4-41.0 ms, gathers from a table in memory 90-95 ms, products in registers instead of
+tensor cores 106-111 ms; the first version, with a per-byte absmax gather, 66 ms. The kernel is still bound by
+decode work, not memory. model.nf4_kernels defaults to auto; the NF4 trainer's latent step was last measured
+end to end with the select layout (48.3 vs 43.5 ms with bitsandbytes,
+bench/results/h200-recipe-27b-nf4-kernels-2026-12-03.json), not yet with this one.
 
 Use: `install(mode, device)` once per process before a static decoder captures a graph (engine.runtime does;
 model.nf4_kernels). It patches bitsandbytes' Linear4bit.forward: inputs of at most STEP_ROWS rows, BF16, not
@@ -60,7 +61,8 @@ STEP_ROWS = 16  # at most this many rows (batch x tokens) take the kernel
 # registers -- widths that are not a multiple of the absmax block use "select"), and how the products are summed (mma: on tensor cores,
 # 16 rows per program; else FP32 products summed in registers, 4 rows per program). The layout fixes the order of the sums for a shape;
 # bench/kernel_sweep.py times the alternatives on the GPU and every choice is qualified as it is installed.
-CONFIG = {"block_n": 64, "block_k": 256, "programs": 512, "warps": 4, "stages": 3, "lut": "gather", "mma": True}
+CONFIG = {"block_n": 128, "block_k": 64, "programs": 1024, "warps": 4, "stages": 3, "lut": "shuffle",
+          "mma": True}  # the H200 sweep's best (bench/results/h200-kernel-sweep-nf4-shuffle-2026-12-03.json)
 
 
 class NF4Weight:

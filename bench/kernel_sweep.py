@@ -65,6 +65,15 @@ def graph_ms(fn, calls: int = 20, replays: int = 5) -> float:
     return t0.elapsed_time(t1) / (replays * calls)
 
 
+def layout_errors() -> tuple:
+    """What a launch layout that does not fit the GPU raises (too much shared memory, a block Triton cannot lower):
+    such a layout is reported in its row, not fatal; any other error stops the sweep."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    return OutOfResources, CompilationError
+
+
 def rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
@@ -99,7 +108,7 @@ def sweep_attention(dev, quick: bool) -> dict:
                 f = lambda c=c: AT.gqa_fused(c["q"], c["k"], c["v"], c["mask"], hd ** -0.5)  # noqa: E731
                 row["rel_to_torch"][c["keys"]] = rel(f(), c["ref"])
                 row["ms"][c["keys"]] = graph_ms(f)
-        except Exception as e:  # a layout that does not compile (shared memory, registers) is reported, not fatal
+        except layout_errors() as e:  # a layout that does not fit (shared memory, registers) is reported, not fatal
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         row["ok"] = "error" not in row and all(r < 1e-2 for r in row["rel_to_torch"].values())
         print("attention", json.dumps({k: v for k, v in row.items()}), flush=True)
@@ -182,7 +191,7 @@ def sweep_nf4(dev, quick: bool, luts=("shuffle", "select"), mmas=(True, False)) 
                     row["rel_to_torch"][key] = rel(f(), s["ref"])
                     row["ms"][key] = graph_ms(f)
             row["step_ms"] = total(row["ms"])
-        except Exception as e:
+        except layout_errors() as e:
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         row["ok"] = "error" not in row and all(r < 1e-2 for r in row["rel_to_torch"].values())
         print("nf4", json.dumps({k: v for k, v in row.items() if k != "ms"}), flush=True)

@@ -4,8 +4,8 @@ Why (issue 12): the embedded default samples and evaluates at T 1.3, where its b
 held-out tasks; this shows how much of the gap to 100 % is sampling temperature rather than what the base knows,
 and whether training moved the policy at the temperatures it was not sampled at.
 
-Each temperature gets a scratch copy of the run directory (links to the run's artifacts, its own config.yaml with
-sampler.temperature replaced and resealed), then `stages.evaluate.evaluate` of the initial adapter ("before") and
+Each temperature gets a scratch copy of the run directory (links to the run's artifacts, its own sealed config.yaml
+with sampler.temperature overridden), then `stages.evaluate.evaluate` of the initial adapter ("before") and
 of the last step's adapter, on the same held-out tasks as the run's own evaluation.
 
     python bench/eval_temperatures.py runs/tiny --temperatures 1.3 1.0 0.7 --out bench/results/cpu-eval-temperatures-DATE.json
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -33,7 +32,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from artifacts import RunDir, read_json
-    from artifacts.store import sha256_file
+    import yaml
+
+    from artifacts.store import atomic_write
     from stages.context import run_config
     from stages.evaluate import evaluate
 
@@ -45,10 +46,6 @@ def main() -> None:
         raise SystemExit(f"{final} missing: {src} has not finished its {cfg.steps.total} steps")
     os.chdir(src.parent.parent)  # prepared.json names its artifacts relative to the project root of the run
     prep = read_json(RunDir(src).prepared())
-    text = (src / "config.yaml").read_text()
-    pat = re.compile(r"^(\s*temperature:\s*)([0-9.eE+-]+)", re.M)
-    if len(pat.findall(text)) != 1:
-        raise SystemExit(f"{src}/config.yaml: expected one 'temperature:' entry (sampler.temperature)")
     scratch = Path(tempfile.mkdtemp(prefix="eval-temperatures-"))
     rows = []
     for T in a.temperatures:
@@ -57,9 +54,8 @@ def main() -> None:
         for name in os.listdir(src):
             if not (name.startswith("eval-") or name.startswith("config.yaml")):
                 (dst / name).symlink_to(src / name)
-        body = pat.sub(lambda m: f"{m.group(1)}{T}", text)
-        (dst / "config.yaml").write_text(body)
-        (dst / "config.yaml.sha256").write_text(f"{sha256_file(dst / 'config.yaml')} {len(body.encode())}")
+        body = yaml.safe_dump(cfg.with_overrides(**{"sampler.temperature": T}).model_dump(mode="json"), sort_keys=True)
+        atomic_write(dst / "config.yaml", lambda tmp, body=body: tmp.write_text(body))
         export = str(next((dst / "export").iterdir()))
         row = {"temperature": T}
         for tag, adapter in (("before", prep["adapter_init"]), (f"step-{last:04d}", str(dst / f"step-{last:04d}" / "adapter"))):

@@ -14,7 +14,7 @@ from pathlib import Path
 from artifacts import RunDir, dir_digest, seal_dir, write_json
 from artifacts import shared_cache
 from artifacts.progress import Progress
-from configs.schema import GymConfig, RunConfig, config_hash
+from configs.schema import GymConfig, ModelConfig, RunConfig, config_hash
 from engine.chat import ChatFormat, tool_specs
 from stages import faults
 from stages.context import env_factory, run_config, timer
@@ -41,10 +41,19 @@ def oracle_episodes(cfg, n: int, seed: int) -> list[dict]:
     return episodes
 
 
+# model settings that choose CUDA kernels only: on a CPU run every one of them runs the PyTorch path
+CUDA_ONLY_MODEL_SETTINGS = ("adapter_kernels", "adapter_step_kernels", "norm_kernels", "attention_kernels",
+                            "nf4_kernels")
+
+
 def preparation_config(cfg: RunConfig) -> RunConfig:
     """The config as far as the tokenizer and the bootstrap depend on it: the held-out evaluation's size does not
-    change either, so runs that differ only in `gym.eval_tasks` share them."""
-    return cfg.with_overrides(**{"gym.eval_tasks": GymConfig.model_fields["eval_tasks"].default})
+    change either, so runs that differ only in `gym.eval_tasks` share them; on a CPU run neither do the CUDA kernel
+    choices (`CUDA_ONLY_MODEL_SETTINGS`), so changing one of them (or its default) does not bootstrap the base again."""
+    resets = {"gym.eval_tasks": GymConfig.model_fields["eval_tasks"].default}
+    if cfg.device == "cpu":
+        resets.update({f"model.{k}": ModelConfig.model_fields[k].default for k in CUDA_ONLY_MODEL_SETTINGS})
+    return cfg.with_overrides(**resets)
 
 
 def _turn_examples(episodes: list[dict], tok, tools: list[dict] | None = None) -> list[tuple[list[int], list[int]]]:

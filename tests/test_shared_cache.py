@@ -46,3 +46,20 @@ def test_second_run_reuses_tokenizer_base_and_export_and_a_corrupted_entry_is_re
     monkeypatch.setenv("LGRPO_CACHE_DIR", "off")
     off, _ = prepared("off")
     assert off["bootstrap"]["cached"] is False
+
+
+def test_cuda_kernel_choices_do_not_key_a_cpu_runs_preparation():
+    """On a CPU run the CUDA kernel settings choose nothing (every one runs the PyTorch path): changing one must not
+    bootstrap the base again; on a CUDA run they stay in the key, and settings that change the arithmetic always do."""
+    from configs.schema import config_hash, load_config
+    from stages.bootstrap import CUDA_ONLY_MODEL_SETTINGS, preparation_config
+
+    def key(cfg):
+        return config_hash(preparation_config(cfg), "model", "bootstrap", "latent", "gym", "tokenizer")
+
+    cpu = load_config("tiny")
+    for k in CUDA_ONLY_MODEL_SETTINGS:
+        assert key(cpu.with_overrides(**{f"model.{k}": "torch"})) == key(cpu), k
+    assert key(cpu.with_overrides(**{"model.init_seed": 1})) != key(cpu)
+    gpu = cpu.with_overrides(device="cuda")
+    assert key(gpu.with_overrides(**{"model.attention_kernels": "torch"})) != key(gpu)

@@ -63,8 +63,8 @@ def main(argv=None) -> dict:
         row["fwd_dora_fused_ms"] = ms(lambda: AK.epilogue_fused(r, lo, m, None, 2.0, True, False))
         row["fwd_lora_torch_ms"] = ms(lambda: AK.epilogue_torch(r, lo, None, None, 2.0, False, False))
         row["fwd_lora_fused_ms"] = ms(lambda: AK.epilogue_fused(r, lo, None, None, 2.0, False, False))
-        row["bwd_dora_torch_ms"] = ms(lambda: AK.dora_backward_torch(gr, m.view(1, -1), r, lo, 2.0))
-        row["bwd_dora_fused_ms"] = ms(lambda: AK.dora_backward_fused(gr, m, r, lo, 2.0))
+        row["bwd_dora_torch_ms"] = ms(lambda: AK.dora_backward_torch(gr, m.view(1, -1), r))
+        row["bwd_dora_fused_ms"] = ms(lambda: AK.dora_backward_fused(gr, m, r))
         row["fwd_dora_bitwise"] = torch.equal(AK.epilogue_torch(r, lo, m.view(1, -1), None, 2.0, True, False),
                                               AK.epilogue_fused(r, lo, m, None, 2.0, True, False))
         for k in ("fwd_dora", "fwd_lora", "bwd_dora"):

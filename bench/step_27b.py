@@ -101,7 +101,8 @@ def main(argv=None) -> dict:
                "replay_tokens": m.get("replay_tokens"), "replay_plan": m.get("replay_plan"),
                "generate_turns": m.get("generate_turns"),
                # optimize's own split: back-propagation (with checkpoint recompute) vs loss, optimizer and writes
-               "optimize_backward_s": m.get("backward_s"), "live_graph": m.get("live_graph")}
+               "optimize_backward_s": m.get("backward_s"), "live_graph": m.get("live_graph"),
+               "optimize_laps_s": {k: m.get(k) for k in ("prepare_s", "backward_s", "update_s", "write_s")}}
         T = m.get("replay_tokens")
         rs = ph.get("replay", 0.0) + ph.get("optimize", 0.0)
         if T and rs:
@@ -123,7 +124,7 @@ def main(argv=None) -> dict:
     for r in steps:
         print(f"step {r['step']} {r['kind']:<6} " + " ".join(f"{k} {v:.1f}s" for k, v in r["phases_s"].items())
               + f" | replay {r.get('replay_tokens')} tok, {r.get('replay_tokens_per_s')} tok/s, MFU {r.get('replay_mfu')}"
-              + f" | optimize backward {r.get('optimize_backward_s')} s (live graph {r.get('live_graph')})"
+              + f" | optimize {r.get('optimize_laps_s')} (live graph {r.get('live_graph')})"
               + f" | peak {r.get('peak_gb')} | preflight/measured {r.get('preflight_est_vs_measured')}"
               + f" | parity {r.get('parity_mean')}/{r.get('parity_max')}")
         for t in r.get("generate_turns") or []:

@@ -105,24 +105,13 @@ def step_out(part_ptr, b_ptr, r_ptr, ms_ptr, bias_ptr, out_ptr, n_rows, n_cols, 
 
 
 @triton.jit
-def bwd_dora(g_ptr, ms_ptr, mss_ptr, base_ptr, l_ptr, gr_ptr, gl_ptr, part_ptr, n_rows, n_cols, s,
-             BR: tl.constexpr, BC: tl.constexpr):
+def bwd_dora(g_ptr, ms_ptr, base_ptr, gr_ptr, part_ptr, n_rows, n_cols, BR: tl.constexpr, BC: tl.constexpr):
+    """DoRA backward, the elementwise part: g_result = bf16(g * ms), and per block of rows the partial column sums
+    of g * base (FP32). The LoRA term's share of the magnitude gradient and every adapter GEMM run outside."""
     cols1, cols, cmask, mask, off = _tile(n_rows, n_cols, BR, BC)
-    g_lp = tl.load(g_ptr + off, mask=mask, other=0.0)
-    g = g_lp.to(tl.float32)
+    g = tl.load(g_ptr + off, mask=mask, other=0.0).to(tl.float32)
     ms = tl.load(ms_ptr + cols, mask=cmask, other=0.0)
-    mss = tl.load(mss_ptr + cols, mask=cmask, other=0.0)
     tl.store(gr_ptr + off, bf16_rtne(g * ms).to(gr_ptr.dtype.element_ty), mask=mask)
-    tl.store(gl_ptr + off, g * mss, mask=mask)
     base = tl.load(base_ptr + off, mask=mask, other=0.0).to(tl.float32)
-    lo = tl.load(l_ptr + off, mask=mask, other=0.0)
-    p = tl.sum(g * (base + lo * s), axis=0)
+    p = tl.sum(g * base, axis=0)
     tl.store(part_ptr + tl.program_id(0).to(tl.int64) * n_cols + cols1, p, mask=cols1 < n_cols)
-
-
-@triton.jit
-def bwd_lora(g_ptr, gl_ptr, n, s, B: tl.constexpr):
-    o = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
-    m = o < n
-    g = tl.load(g_ptr + o, mask=m, other=0.0).to(tl.float32)
-    tl.store(gl_ptr + o, g * s, mask=m)

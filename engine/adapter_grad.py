@@ -17,8 +17,11 @@ from) and replaces what autograd keeps:
     DoRA scale          ||W + s·BA||_row once per adapter version (one layer's dense FP32 at a time, freed before
                         the next), detached as in PEFT and the DoRA paper.
     backward            input gradient through the base layer in its own dtype (BF16 GEMM) plus the LoRA term's
-                        input gradient rounded once to x's dtype; weight gradients of A, B and the magnitude as
-                        FP32 GEMMs/sums (FP32 accumulation into the FP32 masters' .grad).
+                        input gradient rounded once to x's dtype; weight gradients of A, B and the magnitude with
+                        FP32 accumulation into the FP32 masters' .grad. The LoRA term's output gradient is never
+                        formed (it is g scaled per column: the scale goes to the rank-r side), and on CUDA the
+                        rank-r products run on BF16 tensor cores with the FP32 side split in two BF16 halves
+                        (mm_exact_lhs: ~1e-5 relative of the FP32 product).
 
 Use as a context manager around replay scoring (re-entrant; installs instance forwards on PEFT's LoRA layers and
 removes them on exit). Gradients match PEFT's own autograd (tests/test_replay_memory.py: FP32 to 1e-6, and the
@@ -105,25 +108,92 @@ class _AdapterTerm(torch.autograd.Function):
         else:
             x, h, A, B = ctx.saved_tensors
         out_dim, r = B.shape
-        if ctx.dora:
-            # d out / d result = 1 + (ms - 1) = ms; d out / d lora = ms·s; d out / d m = (base + s·lora) / n, summed
-            # over tokens: (g_result, g_lora, Σ g·(base + s·lora)) in one kernel when fused, else as PyTorch does
-            base_result = result if bias is None else result - bias
-            backward = AK.dora_backward_fused if ctx.fused else AK.dora_backward_torch
-            g_result, gl, g_sum = backward(g, (m / n).view(1, -1), base_result, F.linear(h, B), s)
-            g_m = g_sum / n
-        else:
-            g_result = g
-            gl = AK.lora_grad_fused(g, s) if ctx.fused else AK.lora_grad_torch(g, s)
-            g_m = None
-        gl2 = gl.reshape(-1, out_dim)  # (N, out) fp32
+        g2 = g.reshape(-1, out_dim)
         h2 = h.reshape(-1, r)
-        g_B = gl2.t() @ h2  # (out, r) fp32
-        gh = gl2 @ B  # (N, r) fp32
+        # the LoRA term's gradient is g scaled per output column, g_l = g·c (c = ms·s for DoRA, s for LoRA), so every
+        # product with it is one with g and c folded into the rank-r side: no (tokens x out) FP32 tensor is formed
+        G = mm_exact_lhs(g2.t(), h2)  # (out, r) = g^T h, FP32
+        if ctx.dora:
+            ms = m / n
+            c = ms * s
+            backward = AK.dora_backward_fused if ctx.fused else AK.dora_backward_torch
+            g_result, g_base = backward(g, ms.view(1, -1), result if bias is None else result - bias)
+            # d out / d m = (base + s·lora) / n summed over tokens; Σ_t g·lora = Σ_k B[o,k]·G[o,k]
+            g_m = (g_base + s * (B * G).sum(1)) / n
+            g_B = c.view(-1, 1) * G
+            gh = mm_exact_lhs(g2, c.view(-1, 1) * B)  # (N, r) = g_l B
+        else:
+            g_result, g_m = g, None
+            g_B = G * s
+            gh = mm_exact_lhs(g2, B * s)
         x2 = x.reshape(-1, x.shape[-1])
-        g_A = gh.t() @ (x2.float() if x2.dtype != torch.float32 else x2)  # (r, in) fp32
-        g_x = (gh @ A).reshape(x.shape).to(x.dtype) if ctx.needs_input_grad[1] else None
+        g_A = mm_exact_lhs(x2.t(), gh).t().contiguous()  # (r, in) = gh^T x
+        g_x = lora_input_grad(gh, A, x.dtype).reshape(x.shape) if ctx.needs_input_grad[1] else None
         return g_result, g_x, g_A, g_B, g_m, None, None, None, None
+
+
+# -- the backward's products ---------------------------------------------------------------------------------------------
+#
+# The weight gradients of A and B are products of a tensor that holds BF16 values exactly (the layer input x, the output
+# gradient g) with an FP32 rank-r one (h, g·B, g_l B). On CUDA the FP32 side is split into two BF16 halves, t = hi + lo
+# (hi = bf16(t), lo = bf16(t - hi): within ~2^-16 of t), laid side by side, and one BF16 tensor-core GEMM with FP32
+# accumulation and output takes both: the result equals the FP32 product to ~1e-5 relative, at tensor-core speed
+# instead of FP32 SIMT (13 % of replay's kernel time at the 27B width, bench/results/h200-replay-profile-nf4-2026-12-03
+# .json). Elsewhere (CPU, FP32 models) the FP32 product itself runs.
+
+_MM_OUT_DTYPE: dict = {}
+
+
+def _bf16_mm_f32_ok(device) -> bool:
+    """torch.mm(bf16, bf16, out_dtype=float32) (FP32 output of a BF16 GEMM) works on this device."""
+    key = str(device)
+    if key not in _MM_OUT_DTYPE:
+        try:
+            a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+            _MM_OUT_DTYPE[key] = torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_OUT_DTYPE[key] = False
+    return _MM_OUT_DTYPE[key]
+
+
+def split_bf16(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP32 t as hi + lo, both BF16: hi = bf16(t), lo = bf16(t - hi); |t - hi - lo| <= 2^-17 |t| or so."""
+    hi = t.to(torch.bfloat16)
+    return hi, (t - hi.float()).to(torch.bfloat16)
+
+
+def _split_here(t: torch.Tensor) -> bool:
+    """Take the split BF16 products for t (a BF16 CUDA tensor on a device with FP32-output BF16 GEMMs)."""
+    return t.dtype == torch.bfloat16 and t.is_cuda and _bf16_mm_f32_ok(t.device)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """BF16 a @ BF16 b with FP32 accumulation, output in out_dtype: cuBLAS on CUDA; the same arithmetic in FP32
+    elsewhere (BF16 values are exact in FP32), rounded once."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=out_dtype) if out_dtype != a.dtype else a @ b
+    return (a.float() @ b.float()).to(out_dtype)
+
+
+def mm_exact_lhs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in FP32: a (M, K) holds its dtype's values exactly (BF16 activations/gradients, or FP32), b (K, n) FP32
+    with n small (the rank). Split path: one BF16 GEMM of a with [hi | lo] of b, FP32 accumulation and output."""
+    if _split_here(a):
+        n = b.shape[1]
+        out = _mm(a, torch.cat(split_bf16(b), 1), torch.float32)
+        return out[:, :n] + out[:, n:]
+    return a.to(b.dtype) @ b
+
+
+def lora_input_grad(gh: torch.Tensor, A: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(gh @ A) rounded once to dtype: gh (N, r), A (r, in), both FP32. Split path (BF16 dtype): one BF16 GEMM over
+    the three significant cross terms [gh_hi | gh_hi | gh_lo] @ [A_hi; A_lo; A_hi] with FP32 accumulation, rounded
+    in its epilogue (the dropped lo·lo term is ~2^-16 relative); elsewhere the FP32 product, then rounded."""
+    if dtype == torch.bfloat16 and _split_here(gh.new_empty(0, dtype=dtype)):
+        gh_hi, gh_lo = split_bf16(gh)
+        a_hi, a_lo = split_bf16(A)
+        return _mm(torch.cat([gh_hi, gh_hi, gh_lo], 1), torch.cat([a_hi, a_lo, a_hi], 0), dtype)
+    return (gh @ A).to(dtype)
 
 
 class ReplayAdapter:

@@ -10,6 +10,7 @@ Both paths run the same micro-batches in the same order, so they give the same g
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 
 import torch
@@ -181,6 +182,7 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
     rd = RunDir(run_dir)
     out = {"stage": "optimize"}
     with timer(out):
+        lap = _Laps(out)
         li = loss_inputs(cfg, rollouts_in, replay_in, old_replay_in)
         if cfg.model.attention_fp32:  # generation and replay then compute the same thought means: gated
             gates.check_thought_gap(li.thought_gap, cfg.gates.thought_logq_gap_max, step)
@@ -201,8 +203,9 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
             p.grad = torch.zeros_like(p)
         live = engine.live.pop(live_key(rollouts_in, engine.adapter_digest), None)
         out["live_graph"] = live is not None
-        with timer(out, "backward_s"):
-            accumulate_gradients(cfg, engine, li, w_thought, w_answer, live, step, stored_plan(replay_in))
+        lap("prepare_s")  # loss and weights on the driver, the engine with the adapter, the optimizer state
+        accumulate_gradients(cfg, engine, li, w_thought, w_answer, live, step, stored_plan(replay_in))
+        lap("backward_s", sync=True)
         gnorm, bad = _grad_norm(params)
         signal = bool((adv != 0).any()) and bool(mask.any())
         _check_gradients(cfg, step, gnorm, bad, signal)
@@ -210,6 +213,7 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
             torch.nn.utils.clip_grad_norm_([p for _, p in params], cfg.optimizer.max_grad_norm)
         engine.adapter_digest = None  # weights change below: nothing may trust the old digest
         opt.step()
+        lap("update_s", sync=True)  # gradient gates, clipping, AdamW
         adapter_dir = rd.adapter(step)
         digest = write_adapter_dir(adapter_dir, M.adapter_config_dict(engine.model), M.adapter_state(engine.model))
         engine.adapter_digest = digest
@@ -218,9 +222,24 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
         metrics.update(grad_norm=gnorm, signal=signal, tokens=int(mask.sum()), rollouts=n_rows,
                        thought_logq_gap_max=li.thought_gap)
         write_json(rd.loss(step), metrics)
+        lap("write_s")  # adapter and optimizer state to the run directory (digests included)
         out.update(adapter=str(adapter_dir), adapter_digest=digest, optimizer=str(rd.optimizer(step)),
                    loss=metrics["loss"], grad_norm=gnorm, signal=signal, thought_logq_gap_max=li.thought_gap)
     return out
+
+
+class _Laps:
+    """Seconds since the previous lap into out[key] (with sync: once the device's queued work has finished)."""
+
+    def __init__(self, out: dict):
+        self.out, self.t = out, time.perf_counter()
+
+    def __call__(self, key: str, sync: bool = False) -> None:
+        if sync and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.out[key] = round(now - self.t, 4)
+        self.t = now
 
 
 def _grad_norm(params) -> tuple[float, list[str]]:

@@ -19,13 +19,13 @@ def test_every_kernel_equals_the_pytorch_expressions_bit_for_bit():
     """)
     assert q["passed"], q
     kinds = {(c["kernel"], c.get("dora"), c.get("bias"), c.get("round_lora")) for c in q["cases"]}
-    assert len(kinds) == 6 and all(c["bitwise"] for c in q["cases"]), q  # 4 forward variants, 2 backward
+    assert len(kinds) == 5 and all(c["bitwise"] for c in q["cases"]), q  # 4 forward variants, DoRA's backward
     assert max(c["magnitude_rel_l2"] for c in q["cases"] if c["kernel"] == "backward-dora") <= 1e-5
 
 
 def test_replay_adapter_term_fused_gives_the_same_output_and_gradients():
     """_AdapterTerm (replay with gradients) with the kernels enabled vs the PyTorch path: output and the gradients of
-    the input, A and B equal bit for bit; the DoRA magnitude's gradient within FP32 summation order (1e-5)."""
+    the input, A and B equal bit for bit (the kernels touch only the elementwise parts); the DoRA magnitude's gradient within FP32 summation order (1e-5)."""
     r = _interpreted("""
         import json, torch
         from engine import adapter_kernels as AK
@@ -53,7 +53,7 @@ def test_replay_adapter_term_fused_gives_the_same_output_and_gradients():
                 assert (AK._STATE["launches"] > n0) == fused  # the forward kernel ran only when enabled
                 before = AK._STATE["launches"]
                 y.backward(g)
-                assert (AK._STATE["launches"] > before) == fused  # the backward kernel ran only when enabled
+                assert (AK._STATE["launches"] > before) == (fused and dora)  # DoRA's backward kernel, when enabled
                 runs.append((y.detach(), x.grad, A.grad, B.grad, m.grad if dora else None))
             (y0, gx0, gA0, gB0, gm0), (y1, gx1, gA1, gB1, gm1) = runs
             out[str(dora)] = {"out": torch.equal(y0, y1), "x": torch.equal(gx0, gx1), "A": torch.equal(gA0, gA1),

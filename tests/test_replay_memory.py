@@ -76,11 +76,16 @@ def _objective(a, q, idx):
 
 
 @pytest.mark.parametrize("adapter_type", ["lora", "dora"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_replay_adapter_forward_is_peft_bit_for_bit_and_gradients_match(adapter_type, dtype):
+@pytest.mark.parametrize("dtype,split", [("float32", False), ("bfloat16", False), ("bfloat16", True)])
+def test_replay_adapter_forward_is_peft_bit_for_bit_and_gradients_match(adapter_type, dtype, split, monkeypatch):
+    """split: the backward's rank-r products take the CUDA path (BF16 GEMMs of the split FP32 side, emulated here
+    with the same BF16 operands and FP32 accumulation) instead of the FP32 products."""
     from configs.schema import ReplayConfig
+    from engine import adapter_grad as AG
     from engine.replay import score_microbatch
 
+    if split:
+        monkeypatch.setattr(AG, "_split_here", lambda t: t.dtype == torch.bfloat16)
     model = _model(adapter_type, dtype)
     eng, turns = _Eng(model), _turns()
     idx = list(range(len(turns.rows)))
@@ -114,6 +119,35 @@ def test_replay_adapter_forward_is_peft_bit_for_bit_and_gradients_match(adapter_
     g_ref = _grads(ref_model)
     print(f"{adapter_type} bf16 vs fp32: peft {rel(g_peft, g_ref):.2e}, lean {rel(g_lean, g_ref):.2e}")
     assert rel(g_lean, g_ref) <= 1.25 * rel(g_peft, g_ref) + 1e-4
+
+
+def test_split_bf16_products_equal_the_fp32_products_to_about_1e_5(monkeypatch):
+    """mm_exact_lhs and lora_input_grad on their CUDA path (split FP32 operand, BF16 GEMM, FP32 accumulation; emulated
+    on the CPU with the same operands) against FP64: the products within 2e-5 relative L2, as the FP32 products are;
+    the rounded input gradient is as close to FP64 as the FP32 product rounded, and differs from it in <= 1 % of its
+    elements (ties of the rounding)."""
+    from engine import adapter_grad as AG
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(700, 300, generator=g).bfloat16()  # BF16 values, exact
+    b = torch.randn(300, 16, generator=g) * 1e-3
+    gh, A = torch.randn(700, 16, generator=g), torch.randn(16, 300, generator=g) * 0.05
+    ref = a.double() @ b.double()
+    plain = AG.mm_exact_lhs(a, b)
+    gx_plain = AG.lora_input_grad(gh, A, torch.bfloat16)
+    monkeypatch.setattr(AG, "_split_here", lambda t: t.dtype == torch.bfloat16)
+    split = AG.mm_exact_lhs(a, b)
+    gx_split = AG.lora_input_grad(gh, A, torch.bfloat16)
+
+    def rel(x):
+        return float((x.double() - ref).norm() / ref.norm())
+
+    assert split.dtype == torch.float32 and rel(split) <= 2e-5 and rel(plain) <= 2e-5, (rel(split), rel(plain))
+    assert gx_split.dtype == torch.bfloat16
+    exact = gh.double() @ A.double()
+    err_plain, err_split = (float((x.double() - exact).norm() / exact.norm()) for x in (gx_plain, gx_split))
+    assert err_split <= 1.01 * err_plain + 1e-6, (err_split, err_plain)  # BF16 rounding of both: ~2^-9
+    assert float((gx_plain != gx_split).float().mean()) <= 0.01
 
 
 def test_replay_adapter_keeps_less_graph_than_peft():

@@ -150,6 +150,35 @@ def test_split_bf16_products_equal_the_fp32_products_to_about_1e_5(monkeypatch):
     assert float((gx_plain != gx_split).float().mean()) <= 0.01
 
 
+def test_split_products_are_qualified_per_device_with_one_log_line(monkeypatch, caplog):
+    """The split path runs only where torch.mm's FP32-output BF16 GEMM exists and is accurate: on this CPU it does
+    not exist (one log line, the FP32 products run); an emulated accurate one qualifies; one that rounds its output to
+    BF16 does not."""
+    import logging
+
+    from engine import adapter_grad as AG
+
+    real_mm = torch.mm
+    monkeypatch.setattr(AG, "_MM_OUT_DTYPE", {})
+    with caplog.at_level(logging.WARNING, logger="lgrpo.adapter"):
+        assert not AG._bf16_mm_f32_ok("cpu")
+        assert not AG._bf16_mm_f32_ok("cpu")  # checked once
+    lines = [r.getMessage() for r in caplog.records if "split BF16 products" in r.getMessage()]
+    assert len(lines) == 1 and "FP32 products run" in lines[0], lines
+
+    def emulated(a, b, out_dtype=None):
+        return (a.float() @ b.float()).to(out_dtype or a.dtype)
+
+    def rounding(a, b, out_dtype=None):
+        return (a.float() @ b.float()).to(torch.bfloat16).to(out_dtype or a.dtype)
+
+    for fake, ok in ((emulated, True), (rounding, False)):
+        monkeypatch.setattr(AG, "_MM_OUT_DTYPE", {})
+        monkeypatch.setattr(torch, "mm", fake)
+        assert AG._bf16_mm_f32_ok("cpu") is ok
+        monkeypatch.setattr(torch, "mm", real_mm)
+
+
 def test_replay_adapter_keeps_less_graph_than_peft():
     """What autograd keeps per replayed token, counted through saved-tensor hooks (CPU stand-in for the GPU
     allocator): the lean backward keeps no FP32 copy of a layer input or output."""

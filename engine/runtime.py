@@ -43,6 +43,9 @@ class Engine:
     scale: float
     adapter_digest: str | None = None
     live: dict = field(default_factory=dict)  # replay digest -> per-turn tensors with autograd graph
+    # (optimizer-state path, its sha256, the AdamW that wrote it): the next optimize reuses the optimizer instead of
+    # reading and verifying the state back (stages/optimize.py; ~900 MB at the 27B shape)
+    kept_optimizer: tuple | None = None
     prefix_cache: object | None = None
     graphs: bool = False
     same_arithmetic_as_trainer: bool = False  # a sampler on the trainer's unquantized base: may share its cache
@@ -54,9 +57,12 @@ class Engine:
         return M._parts(self.model)[2].weight.device
 
     def use_adapter(self, adapter_dir: str | Path) -> None:
-        from artifacts import dir_digest, read_adapter_dir
+        from artifacts import read_adapter_dir
+        from artifacts.store import content_digest
 
-        digest = dir_digest(adapter_dir)
+        # which adapter this is: remembered while its files keep their stat signature (a 27B adapter is ~450 MB,
+        # asked for by every generate turn, replay and optimize); a real load below verifies what it reads
+        digest = content_digest(adapter_dir)
         if digest != self.adapter_digest:
             _, tensors = read_adapter_dir(adapter_dir)
             M.load_adapter_state(self.model, tensors)

@@ -505,9 +505,10 @@ class VllmSampler:
 
         Switches by the directory's content digest: the same content is a no-op, new content always reloads.
         """
-        from artifacts import dir_digest, read_adapter_dir
+        from artifacts import read_adapter_dir
+        from artifacts.store import content_digest
 
-        digest = None if adapter_dir is None else dir_digest(adapter_dir)
+        digest = None if adapter_dir is None else content_digest(adapter_dir)  # as Engine.use_adapter
         if digest == self.adapter_digest:
             return False
         if adapter_dir is None:

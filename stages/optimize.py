@@ -12,10 +12,13 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from artifacts import RunDir, read_table, read_tensors, to_tensor_list, write_adapter_dir, write_json, write_tensors
+from artifacts import (ArtifactError, RunDir, read_table, read_tensors, to_tensor_list, write_adapter_dir, write_json,
+                       write_tensors)
+from artifacts.store import sidecar_digest
 from artifacts.tables import table_meta
 from engine import gates
 from engine import model as M
@@ -46,6 +49,29 @@ def _optimizer(cfg, params: list[tuple[str, torch.nn.Parameter]], state_in: str 
         sd["state"] = state
         opt.load_state_dict(sd)
     return opt
+
+
+def _kept_optimizer(engine, cfg, params, state_in: str | None) -> torch.optim.AdamW | None:
+    """The AdamW this engine's last optimize kept, when `state_in` is the state it wrote (same path, and the sidecar
+    still records the digest of that write), over the same parameter objects with the configured hyperparameters:
+    its in-memory state is bit for bit what the file holds, so it is not read and verified back. Taken, not peeked:
+    an optimize that fails after its update leaves nothing to reuse, and the retry reads the file."""
+    kept, engine.kept_optimizer = engine.kept_optimizer, None
+    if kept is None or not state_in:
+        return None
+    path, digest, opt = kept
+    oc = cfg.optimizer
+    group = opt.param_groups[0] if len(opt.param_groups) == 1 else {}
+    try:
+        recorded = sidecar_digest(state_in)
+    except ArtifactError:
+        return None  # the reader below names what is wrong with the file
+    same = (str(Path(state_in).resolve()) == path and recorded == digest
+            and len(group.get("params", ())) == len(params)
+            and all(a is b for a, (_, b) in zip(group["params"], params))
+            and (group["lr"], tuple(group["betas"]), group["eps"], group["weight_decay"])
+            == (oc.lr, tuple(oc.betas), oc.eps, oc.weight_decay))
+    return opt if same else None
 
 
 def _optimizer_tensors(opt, params) -> tuple[dict, dict]:
@@ -197,7 +223,7 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
         engine = runtime.trainer(cfg, base_in, base_in)
         engine.use_adapter(adapter_in)
         params = _adapter_params(engine.model)
-        opt = _optimizer(cfg, params, optimizer_in)
+        opt = _kept_optimizer(engine, cfg, params, optimizer_in) or _optimizer(cfg, params, optimizer_in)
         opt.zero_grad(set_to_none=False)
         for _, p in params:
             p.grad = torch.zeros_like(p)
@@ -218,7 +244,8 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
         digest = write_adapter_dir(adapter_dir, M.adapter_config_dict(engine.model), M.adapter_state(engine.model))
         engine.adapter_digest = digest
         tensors, meta = _optimizer_tensors(opt, params)
-        write_tensors(rd.optimizer(step), tensors, meta)
+        opt_digest = write_tensors(rd.optimizer(step), tensors, meta)
+        engine.kept_optimizer = (str(Path(rd.optimizer(step)).resolve()), opt_digest, opt)
         metrics.update(grad_norm=gnorm, signal=signal, tokens=int(mask.sum()), rollouts=n_rows,
                        thought_logq_gap_max=li.thought_gap)
         write_json(rd.loss(step), metrics)

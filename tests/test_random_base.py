@@ -61,7 +61,7 @@ def test_random_base_is_a_recipe_built_where_it_runs(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
-def test_step_with_replay_tiers_then_optimize_rerun_from_artifacts_is_bitwise(tmp_path):
+def test_step_with_replay_tiers_then_optimize_rerun_from_artifacts_is_bitwise(tmp_path, monkeypatch):
     from artifacts import read_table, read_tensors
     from engine import runtime
     from stages.optimize import optimize
@@ -88,6 +88,58 @@ def test_step_with_replay_tiers_then_optimize_rerun_from_artifacts_is_bitwise(tm
     # a reuse step replays the same rollouts with the updated adapter, same tiers
     rr = replay(run_dir, 1, ro, f"{run_dir}/step-0000/adapter", s0["base"], False)
     assert rr["plan"] == s0["replay"]["plan"]
-    o1 = optimize(run_dir, 1, ro, rr["path"], rp, f"{run_dir}/step-0000/adapter",
-                  f"{run_dir}/step-0000/optimizer.safetensors", s0["base"])
+    import stages.optimize as SO
+
+    reads = []
+    real_read = SO.read_tensors
+    monkeypatch.setattr(SO, "read_tensors", lambda p, *a, **k: (reads.append(str(p)), real_read(p, *a, **k))[1])
+    opt_in = f"{run_dir}/step-0000/optimizer.safetensors"
+    o1 = optimize(run_dir, 1, ro, rr["path"], rp, f"{run_dir}/step-0000/adapter", opt_in, s0["base"])
     assert o1["grad_norm"] > 0
+    # the optimizer the rerun above kept (it wrote opt_in) was reused, not read back ...
+    assert not any(r.endswith("optimizer.safetensors") for r in reads), reads
+    kept = [read_tensors(f"{run_dir}/step-0001/{n}")[0] for n in ("adapter/adapter_model.safetensors",
+                                                                  "optimizer.safetensors")]
+    # ... and gives what reading the state from the file gives, bit for bit (a new process: engines dropped)
+    runtime.clear()
+    optimize(run_dir, 1, ro, rr["path"], rp, f"{run_dir}/step-0000/adapter", opt_in, s0["base"])
+    assert any(r.endswith("optimizer.safetensors") for r in reads)
+    read_back = [read_tensors(f"{run_dir}/step-0001/{n}")[0] for n in ("adapter/adapter_model.safetensors",
+                                                                       "optimizer.safetensors")]
+    for a, b in zip(kept, read_back):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_an_engine_hashes_an_adapter_it_already_holds_once(tmp_path, monkeypatch):
+    """Engine.use_adapter asks which adapter a directory holds on every generate turn, replay and optimize: once its
+    files have settled, the answer is remembered by their stat signature instead of hashing the weights again (a 27B
+    adapter is ~450 MB); a rewrite of the directory is hashed and loaded again."""
+    import time
+
+    from artifacts import store
+    from engine import model as M
+    from engine import runtime
+
+    run_dir = make_run(tmp_path, **RANDOM)
+    s0 = fresh_step(run_dir, 0, f"{run_dir}/adapter-init")
+    adapter = f"{run_dir}/step-0000/adapter"
+    runtime.clear()
+    engine = runtime.trainer(__import__("stages.context", fromlist=["run_config"]).run_config(run_dir),
+                             s0["base"], s0["base"])
+    time.sleep(0.25)  # past artifacts.store's settle time
+    hashed = []
+    real_verify = store.verify
+    monkeypatch.setattr(store, "verify", lambda p: (hashed.append(str(p)), real_verify(p))[1])
+    engine.use_adapter(adapter)
+    first = len(hashed)
+    assert first >= 1 and engine.adapter_digest == store.dir_digest(adapter)
+    hashed.clear()
+    for _ in range(3):
+        engine.use_adapter(adapter)
+    assert hashed == [], hashed
+    state = M.adapter_state(engine.model)
+    store.write_adapter_dir(adapter, M.adapter_config_dict(engine.model),
+                            {k: v + 1.0 if "lora_B" in k else v for k, v in state.items()})
+    engine.use_adapter(adapter)  # rewritten: hashed and loaded again
+    assert any(h.endswith("adapter_model.safetensors") for h in hashed)
+    assert engine.adapter_digest == store.dir_digest(adapter)

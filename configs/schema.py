@@ -324,6 +324,10 @@ class GRPOConfig(_Strict):
         1.0, ge=0, description="multiplies the advantages below zero after group normalization (1: TRL's GRPO; "
         "0: only rollouts better than their group's mean are reinforced, the others get no gradient; between: "
         "weaker pushes away from worse-than-mean rollouts)")
+    negative_token_max_prob: float | None = Field(
+        None, gt=0, le=1, description="None: TRL's GRPO (a rollout's advantage on all its tokens). p: a below-mean "
+        "rollout's (negative) advantage only on its answer tokens sampled with probability below p -- where it "
+        "slipped -- so its correct tokens are not pushed down with them (thought terms keep the advantage)")
     importance_sampling_level: Literal["token", "sequence"] = "token"
     scale_rewards: Literal["group", "batch", "none"] = "group"
     max_completion_length: int = Field(512, ge=1, description="dr_grpo normalizer")

@@ -85,6 +85,23 @@ def scale_negative_advantages(advantages: Tensor, scale: float) -> Tensor:
     return torch.where(advantages < 0, advantages * scale, advantages)
 
 
+def negative_token_advantages(advantages: Tensor, sampling_logps: Tensor, answer_tokens: Tensor,
+                              max_prob: float) -> Tensor:
+    """(B, T) per-token advantages: a below-mean rollout's advantage only on its answer tokens that were sampled with
+    probability below `max_prob` (grpo.negative_token_max_prob) -- the tokens where it slipped -- and on its other
+    terms (thought densities) as before; every token of the other rollouts keeps its rollout's advantage.
+
+    advantages (B,); sampling_logps (B, T): the sampler's log-probs (at its temperature) in the sequence layout;
+    answer_tokens (B, T): 1 where the term is an answer token (not a thought density, not padding)."""
+    B = advantages.shape[0]
+    if advantages.dim() != 1 or sampling_logps.shape != answer_tokens.shape or sampling_logps.shape[0] != B:
+        raise ValueError(f"advantages (B,) and (B, T) log-probs / answer mask expected, got {tuple(advantages.shape)}, "
+                         f"{tuple(sampling_logps.shape)}, {tuple(answer_tokens.shape)}")
+    adv = advantages.unsqueeze(1).expand_as(sampling_logps)
+    keep = (adv >= 0) | (answer_tokens == 0) | (sampling_logps < math.log(max_prob))
+    return torch.where(keep, adv, torch.zeros_like(adv))
+
+
 def importance_sampling_ratio(
     old_logps: Tensor,
     sampling_logps: Tensor,

@@ -22,7 +22,7 @@ from artifacts.store import sidecar_digest
 from artifacts.tables import table_meta
 from engine import gates
 from engine import model as M
-from engine.loss import grpo_loss, importance_sampling_ratio, token_weights
+from engine.loss import grpo_loss, importance_sampling_ratio, negative_token_advantages, token_weights
 from engine.replay import from_sequences, to_sequences
 from stages.context import run_config, timer
 from stages.replay import live_key, load_turns
@@ -107,11 +107,13 @@ class LossInputs:
     adv: torch.Tensor
     is_ratio: torch.Tensor | None
     n_rows: int
+    adv_tokens: torch.Tensor | None = None  # (B, T) per-token advantages (grpo.negative_token_max_prob), else None
     thought_gap: float = 0.0  # max |recorded - replayed| thought log-density (nat): generation vs replay numerics
 
     def loss(self, cfg, lp: torch.Tensor, metrics: dict | None = None) -> torch.Tensor:
         g = cfg.grpo
-        loss, m = grpo_loss(lp, self.old_lp, self.adv, self.mask, loss_type=g.loss_type, epsilon=g.epsilon,
+        adv = self.adv if self.adv_tokens is None else self.adv_tokens
+        loss, m = grpo_loss(lp, self.old_lp, adv, self.mask, loss_type=g.loss_type, epsilon=g.epsilon,
                             epsilon_high=g.epsilon_high, delta=g.delta,
                             importance_sampling_level=g.importance_sampling_level, is_ratio=self.is_ratio,
                             max_completion_length=g.max_completion_length, max_log_ratio=g.max_log_ratio)
@@ -150,9 +152,15 @@ def loss_inputs(cfg, rollouts_in: str, replay_in: str, old_replay_in: str) -> Lo
     if g.vllm_importance_sampling_correction:
         is_ratio = importance_sampling_ratio(old_lp, samp_lp, mask, g.vllm_importance_sampling_mode,
                                              g.vllm_importance_sampling_clip_max, g.vllm_importance_sampling_clip_min)
+    adv_tokens = None
+    if g.negative_token_max_prob is not None:
+        answer_turn = [torch.cat([torch.zeros(K), torch.ones(x.numel() - K)]) for x in lp_turn]
+        adv_tokens = negative_token_advantages(adv, samp_lp, to_sequences(rows, answer_turn, n_rows)[0] * mask,
+                                               g.negative_token_max_prob)
     return LossInputs(turns=turns, rows=rows, K=K, sigma=float(meta["sigma"]),
                       lengths=[x.numel() for x in lp_turn], lp_turn=lp_turn, old_lp=old_lp, samp_lp=samp_lp,
-                      mask=mask, adv=adv, is_ratio=is_ratio, n_rows=n_rows, thought_gap=thought_gap)
+                      mask=mask, adv=adv, is_ratio=is_ratio, n_rows=n_rows, thought_gap=thought_gap,
+                      adv_tokens=adv_tokens)
 
 
 def driver_weights(cfg, li: LossInputs, metrics: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

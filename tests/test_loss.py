@@ -382,3 +382,24 @@ def test_on_policy_default_and_explicit_normalizer():
     for lt in ("dapo", "cispo"):
         half, _ = grpo_loss(logps, None, adv, mask, loss_type=lt, num_items_in_batch=torch.tensor(6))
         assert half.item() == pytest.approx(grpo_loss(logps, None, adv, mask, loss_type=lt)[0].item() / 2, abs=1e-12)
+
+
+def test_negative_token_advantages_keep_a_failed_rollouts_advantage_only_where_it_slipped():
+    """grpo.negative_token_max_prob: a below-mean rollout's negative advantage stays on its answer tokens sampled with
+    probability below p and on its thought terms; its likely answer tokens get none; other rollouts are untouched. In
+    the loss only those tokens then carry gradient for that rollout."""
+    from engine.loss import negative_token_advantages
+
+    adv = torch.tensor([1.0, -1.0, 0.0])
+    p = torch.tensor([[0.9, 0.1, 0.6, 0.05], [0.9, 0.1, 0.6, 0.05], [0.9, 0.1, 0.6, 0.05]])
+    answer = torch.tensor([[0.0, 1.0, 1.0, 1.0]] * 3)  # term 0: a thought density (its "log-prob" is not one)
+    out = negative_token_advantages(adv, p.log(), answer, 0.5)
+    assert torch.equal(out[0], torch.ones(4))
+    assert torch.equal(out[1], torch.tensor([-1.0, -1.0, 0.0, -1.0]))
+    assert torch.equal(out[2], torch.zeros(4))
+    lp = p.log().clone().requires_grad_(True)
+    loss, _ = grpo_loss(lp, None, out, torch.ones(3, 4))
+    loss.backward()
+    assert lp.grad[1, 2] == 0 and lp.grad[1, 1] != 0 and lp.grad[1, 3] != 0 and lp.grad[0].ne(0).all()
+    with pytest.raises(ValueError, match="expected"):
+        negative_token_advantages(adv.unsqueeze(1), p.log(), answer, 0.5)

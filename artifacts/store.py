@@ -547,7 +547,8 @@ def dir_digest(path: PathLike, verify_file: Callable[[PathLike], str] | None = N
 
 def _dir_digest_of(entries) -> str:
     """The dir_digest of (relative name, file digest) pairs."""
-    return hashlib.sha256("".join(["dir-digest-v1\n", *sorted(f"{r}\0{d}\n" for r, d in entries)]).encode()).hexdigest()
+    lines = sorted(f"{rel}\0{digest}\n" for rel, digest in entries)
+    return hashlib.sha256("".join(["dir-digest-v1\n", *lines]).encode()).hexdigest()
 
 
 def seal_dir(src: Path, dst: Path) -> str:
@@ -606,7 +607,8 @@ def write_adapter_dir(
         # the digests of what the writes hashed on disk: the directory's digest without reading its files again
         # (at the 27B shape the adapter is ~450 MB); the renamed directory keeps the same files
         entries = [(ADAPTER_CONFIG_NAME, write_json(tmp / ADAPTER_CONFIG_NAME, dict(adapter_config))),
-                   (ADAPTER_WEIGHTS_NAME, write_tensors(tmp / ADAPTER_WEIGHTS_NAME, tensors, metadata={"format": "pt"}))]
+                   (ADAPTER_WEIGHTS_NAME,
+                    write_tensors(tmp / ADAPTER_WEIGHTS_NAME, tensors, metadata={"format": "pt"}))]
         _fsync_dir(tmp)
         _replace_dir(tmp, target)
     finally:

@@ -136,7 +136,7 @@ class _AdapterTerm(torch.autograd.Function):
         return g_result, g_x, g_A, g_B, g_m, None, None, None, None
 
 
-# -- the backward's products ---------------------------------------------------------------------------------------------
+# -- the backward's products -----------------------------------------------------------------------------------------
 #
 # The weight gradients of A and B are products of a tensor that holds BF16 values exactly (the layer input x, the output
 # gradient g) with an FP32 rank-r one (h, g·B, g_l B). On CUDA the FP32 side is split into two BF16 halves, t = hi + lo
@@ -150,9 +150,11 @@ SPLIT_TOLERANCE = 5e-5  # relative L2 of a split product against FP64 (the split
 
 
 def _bf16_mm_f32_ok(device) -> bool:
-    """The split products qualify on this device: torch.mm(bf16, bf16, out_dtype=float32) runs for a row-major and a
-    transposed left operand (the layouts the backward passes) and equals FP64 within SPLIT_TOLERANCE. Checked once
-    per device; when not, one log line says the FP32 products run instead."""
+    """The split products qualify on this device: `_split_product` with torch.mm(bf16, bf16, out_dtype=float32) runs
+    for a row-major and a transposed left operand (the layouts the backward passes) and equals FP64 within
+    SPLIT_TOLERANCE. Checked once per device; when not, one log line says the FP32 products run instead."""
+    from engine.kernel_choice import rel_l2
+
     key = str(device)
     if key not in _MM_OUT_DTYPE:
         why = None
@@ -162,15 +164,12 @@ def _bf16_mm_f32_ok(device) -> bool:
             b = (torch.randn(300, 16, generator=gen) * 1e-3).to(device)
             bt = (torch.randn(257, 16, generator=gen) * 1e-3).to(device)
             for lhs, rhs in ((a, b), (a.t(), bt)):
-                hi = rhs.to(torch.bfloat16)
-                out = torch.mm(lhs, torch.cat([hi, (rhs - hi.float()).to(torch.bfloat16)], 1), out_dtype=torch.float32)
-                got = out[:, :16] + out[:, 16:]
-                ref = lhs.double() @ rhs.double()
-                err = float((got.double() - ref).norm() / ref.norm())
+                got = _split_product(lhs, rhs, lambda x, y, dt: torch.mm(x, y, out_dtype=dt))
+                err = rel_l2(got, lhs.double() @ rhs.double())
                 if got.dtype != torch.float32 or not err <= SPLIT_TOLERANCE:
                     why = f"relative L2 {err:.2e} against FP64 (allowed {SPLIT_TOLERANCE:.0e})"
                     break
-        except (RuntimeError, TypeError, NotImplementedError) as e:
+        except (RuntimeError, TypeError) as e:  # the op is missing here (NotImplementedError) or takes no out_dtype
             why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
         _MM_OUT_DTYPE[key] = why is None
         if why is not None:
@@ -185,9 +184,9 @@ def split_bf16(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, (t - hi.float()).to(torch.bfloat16)
 
 
-def _split_here(t: torch.Tensor) -> bool:
-    """Take the split BF16 products for t (a BF16 CUDA tensor on a device with FP32-output BF16 GEMMs)."""
-    return t.dtype == torch.bfloat16 and t.is_cuda and _bf16_mm_f32_ok(t.device)
+def _split_here(dtype: torch.dtype, device: torch.device) -> bool:
+    """Take the split BF16 products for BF16 operands on `device` (CUDA, FP32-output BF16 GEMMs qualified)."""
+    return dtype == torch.bfloat16 and device.type == "cuda" and _bf16_mm_f32_ok(device)
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -198,21 +197,25 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tenso
     return (a.float() @ b.float()).to(out_dtype)
 
 
+def _split_product(a: torch.Tensor, b: torch.Tensor, gemm=_mm) -> torch.Tensor:
+    """BF16 a @ FP32 b (n columns) as one BF16 GEMM of a with [hi | lo] of b, FP32 accumulation and output
+    (gemm(a, b, out_dtype): `_mm`, or torch.mm itself when qualifying the device's op)."""
+    n = b.shape[1]
+    out = gemm(a, torch.cat(split_bf16(b), 1), torch.float32)
+    return out[:, :n] + out[:, n:]
+
+
 def mm_exact_lhs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b in FP32: a (M, K) holds its dtype's values exactly (BF16 activations/gradients, or FP32), b (K, n) FP32
-    with n small (the rank). Split path: one BF16 GEMM of a with [hi | lo] of b, FP32 accumulation and output."""
-    if _split_here(a):
-        n = b.shape[1]
-        out = _mm(a, torch.cat(split_bf16(b), 1), torch.float32)
-        return out[:, :n] + out[:, n:]
-    return a.to(b.dtype) @ b
+    with n small (the rank); the split product where it qualifies."""
+    return _split_product(a, b) if _split_here(a.dtype, a.device) else a.to(b.dtype) @ b
 
 
 def lora_input_grad(gh: torch.Tensor, A: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(gh @ A) rounded once to dtype: gh (N, r), A (r, in), both FP32. Split path (BF16 dtype): one BF16 GEMM over
     the three significant cross terms [gh_hi | gh_hi | gh_lo] @ [A_hi; A_lo; A_hi] with FP32 accumulation, rounded
     in its epilogue (the dropped lo·lo term is ~2^-16 relative); elsewhere the FP32 product, then rounded."""
-    if dtype == torch.bfloat16 and _split_here(gh.new_empty(0, dtype=dtype)):
+    if _split_here(dtype, gh.device):
         gh_hi, gh_lo = split_bf16(gh)
         a_hi, a_lo = split_bf16(A)
         return _mm(torch.cat([gh_hi, gh_hi, gh_lo], 1), torch.cat([a_hi, a_lo, a_hi], 0), dtype)

@@ -93,8 +93,8 @@ def negative_token_advantages(advantages: Tensor, sampling_logps: Tensor, answer
 
     advantages (B,); sampling_logps (B, T): the sampler's log-probs (at its temperature) in the sequence layout;
     answer_tokens (B, T): 1 where the term is an answer token (not a thought density, not padding)."""
-    B = advantages.shape[0]
-    if advantages.dim() != 1 or sampling_logps.shape != answer_tokens.shape or sampling_logps.shape[0] != B:
+    if (advantages.dim() != 1 or sampling_logps.shape != answer_tokens.shape
+            or sampling_logps.shape[0] != advantages.shape[0]):
         raise ValueError(f"advantages (B,) and (B, T) log-probs / answer mask expected, got {tuple(advantages.shape)}, "
                          f"{tuple(sampling_logps.shape)}, {tuple(answer_tokens.shape)}")
     adv = advantages.unsqueeze(1).expand_as(sampling_logps)

@@ -61,14 +61,13 @@ def _kept_optimizer(engine, cfg, params, state_in: str | None) -> torch.optim.Ad
         return None
     path, digest, opt = kept
     oc = cfg.optimizer
-    group = opt.param_groups[0] if len(opt.param_groups) == 1 else {}
+    (group,) = opt.param_groups  # _optimizer makes one
     try:
         recorded = sidecar_digest(state_in)
     except ArtifactError:
         return None  # the reader below names what is wrong with the file
     same = (str(Path(state_in).resolve()) == path and recorded == digest
-            and len(group.get("params", ())) == len(params)
-            and all(a is b for a, (_, b) in zip(group["params"], params))
+            and len(group["params"]) == len(params) and all(a is b for a, (_, b) in zip(group["params"], params))
             and (group["lr"], tuple(group["betas"]), group["eps"], group["weight_decay"])
             == (oc.lr, tuple(oc.betas), oc.eps, oc.weight_decay))
     return opt if same else None

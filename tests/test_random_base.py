@@ -119,13 +119,13 @@ def test_an_engine_hashes_an_adapter_it_already_holds_once(tmp_path, monkeypatch
     from artifacts import store
     from engine import model as M
     from engine import runtime
+    from stages.context import run_config
 
     run_dir = make_run(tmp_path, **RANDOM)
     s0 = fresh_step(run_dir, 0, f"{run_dir}/adapter-init")
     adapter = f"{run_dir}/step-0000/adapter"
     runtime.clear()
-    engine = runtime.trainer(__import__("stages.context", fromlist=["run_config"]).run_config(run_dir),
-                             s0["base"], s0["base"])
+    engine = runtime.trainer(run_config(run_dir), s0["base"], s0["base"])
     time.sleep(0.25)  # past artifacts.store's settle time
     hashed = []
     real_verify = store.verify

@@ -85,7 +85,7 @@ def test_replay_adapter_forward_is_peft_bit_for_bit_and_gradients_match(adapter_
     from engine.replay import score_microbatch
 
     if split:
-        monkeypatch.setattr(AG, "_split_here", lambda t: t.dtype == torch.bfloat16)
+        monkeypatch.setattr(AG, "_split_here", lambda dtype, device: dtype == torch.bfloat16)
     model = _model(adapter_type, dtype)
     eng, turns = _Eng(model), _turns()
     idx = list(range(len(turns.rows)))
@@ -135,7 +135,7 @@ def test_split_bf16_products_equal_the_fp32_products_to_about_1e_5(monkeypatch):
     ref = a.double() @ b.double()
     plain = AG.mm_exact_lhs(a, b)
     gx_plain = AG.lora_input_grad(gh, A, torch.bfloat16)
-    monkeypatch.setattr(AG, "_split_here", lambda t: t.dtype == torch.bfloat16)
+    monkeypatch.setattr(AG, "_split_here", lambda dtype, device: dtype == torch.bfloat16)
     split = AG.mm_exact_lhs(a, b)
     gx_split = AG.lora_input_grad(gh, A, torch.bfloat16)
 

@@ -9,4 +9,4 @@ fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip >/dev/null
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e .
+python -m pip install -q -c constraints.txt -e .   # the tested versions (constraints.txt says why)

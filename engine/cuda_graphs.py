@@ -207,9 +207,18 @@ class StaticHybridCache:
         self.filled = True
         return torch.tensor([[r.length] for r in rows], dtype=torch.long, device=self.device)
 
-    # -- the transformers cache interface (5.17 and 5.24) ----------------------------------------------------------
+    # -- the transformers cache interface (5.17 to 5.25) ----------------------------------------------------------
     def __len__(self) -> int:
         return len(self.layers)
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """5.25: how many per-token recurrent states a GDN forward returns beside the last (speculative decoding's
+        past recording, never active here)."""
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """5.25: a GDN layer's single-token conv step counts a position in its layer. Positions here are the
+        driver's (`cursor` on the device, `length` on the host), advanced once per forward, not per layer."""
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         return self.filled

@@ -55,6 +55,7 @@ STEP_METRICS: tuple[StepMetric, ...] = (
     StepMetric("grad_norm", "optimize", scalar="optim/grad_norm", column="grad norm", fmt="{:.3g}"),
     StepMetric("signal", "optimize"),
     StepMetric("live_graph", "optimize"),
+    StepMetric("optimizer_kept", "optimize"),  # with workers: one flag per worker
     StepMetric("thought_logq_gap_max", "optimize"),
     StepMetric("backward_s", "optimize"),
     StepMetric("prepare_s", "optimize"),

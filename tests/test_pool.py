@@ -143,6 +143,10 @@ def test_two_steps_on_two_workers_through_prefect(prefect_harness, tmp_path, mon
     m = read_json(RunDir(two).metrics(0))
     assert [w["worker"] for w in m["generate_turns"][0]["workers"]] == [0, 1]
     assert read_json(RunDir(two).loss(0))["workers"] == 2
+    # step 1 starts from the AdamW each worker kept after step 0 (the writer's file not read back), as in one process
+    assert read_json(RunDir(two).metrics(0))["optimizer_kept"] == [False, False]
+    assert read_json(RunDir(two).metrics(1))["optimizer_kept"] == [True, True]
+    assert read_json(RunDir(one).metrics(1))["optimizer_kept"] is True
     for step in (0, 1):  # adapters: the all-reduced sum of two partial gradients against one sum
         _, ref = read_adapter_dir(RunDir(one).adapter(step))
         _, got = read_adapter_dir(RunDir(two).adapter(step))

@@ -46,6 +46,22 @@ def generator(*parts: object):
     return torch.Generator().manual_seed(seed_for(*parts))
 
 
+class Laps:
+    """Seconds since the previous lap into out[key], for the parts of a stage (with sync: once the device's queued
+    work has finished; torch is not imported here)."""
+
+    def __init__(self, out: dict):
+        self.out, self.t = out, time.perf_counter()
+
+    def __call__(self, key: str, sync: bool = False) -> None:
+        torch = sys.modules.get("torch")
+        if sync and torch is not None and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.out[key] = round(now - self.t, 4)
+        self.t = now
+
+
 @contextmanager
 def timer(out: dict, key: str = "wall_s"):
     """Wall seconds of the block into out[key]; for a stage's own timer (key wall_s) on a GPU also the peak

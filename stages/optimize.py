@@ -10,7 +10,6 @@ Both paths run the same micro-batches in the same order, so they give the same g
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from engine import gates
 from engine import model as M
 from engine.loss import grpo_loss, importance_sampling_ratio, negative_token_advantages, token_weights
 from engine.replay import from_sequences, to_sequences
-from stages.context import run_config, timer
+from stages.context import Laps, run_config, timer
 from stages.replay import live_key, load_turns
 from stages import faults
 
@@ -217,7 +216,7 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
     rd = RunDir(run_dir)
     out = {"stage": "optimize"}
     with timer(out):
-        lap = _Laps(out)
+        lap = Laps(out)
         li = loss_inputs(cfg, rollouts_in, replay_in, old_replay_in)
         if cfg.model.attention_fp32:  # generation and replay then compute the same thought means: gated
             gates.check_thought_gap(li.thought_gap, cfg.gates.thought_logq_gap_max, step)
@@ -264,20 +263,6 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
         out.update(adapter=str(adapter_dir), adapter_digest=digest, optimizer=str(rd.optimizer(step)),
                    loss=metrics["loss"], grad_norm=gnorm, signal=signal, thought_logq_gap_max=li.thought_gap)
     return out
-
-
-class _Laps:
-    """Seconds since the previous lap into out[key] (with sync: once the device's queued work has finished)."""
-
-    def __init__(self, out: dict):
-        self.out, self.t = out, time.perf_counter()
-
-    def __call__(self, key: str, sync: bool = False) -> None:
-        if sync and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-        now = time.perf_counter()
-        self.out[key] = round(now - self.t, 4)
-        self.t = now
 
 
 def _grad_norm(params) -> tuple[float, list[str]]:

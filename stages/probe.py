@@ -20,7 +20,7 @@ import torch
 
 from artifacts import RunDir, append_jsonl, write_json
 from engine.gates import GateFailed
-from stages.context import generator, run_config, timer
+from stages.context import Laps, generator, run_config, timer
 from stages import faults
 
 PROBE_SEED = 20261130  # the probe set never changes within a run (nor across runs of one config)
@@ -99,18 +99,25 @@ def probe(run_dir: str, step: int, adapter_in: str, export_in: str, base_in: str
     runtime.set_threads(cfg.threads)
     rd = RunDir(run_dir)
     out = {"stage": "probe", "step": step}
+    seconds: dict = {}  # where the probe's time goes (at the 27B shape it took 19 s: the next GPU run says which part)
     with timer(out):
+        lap = Laps(seconds)
         trainer = runtime.trainer(cfg, base_in, base_in)
         trainer.use_adapter(adapter_in)
         sampler = runtime.sampler(cfg, export_in, base_in)
         sampler.use_adapter(adapter_in)
+        lap("engines", sync=True)
         prefixes, thoughts, answers = probe_inputs(cfg, trainer, base_in)
+        lap("thoughts", sync=True)
         T = cfg.sampler.temperature
         t_lp = D.teacher_forced(trainer.model, prefixes, thoughts, answers, T, trainer.toks)
+        lap("trainer", sync=True)
         s_lp = sampler.teacher_forced(prefixes, thoughts, answers, T, trainer)
+        lap("sampler", sync=True)
         report = {"step": step, "adapter": trainer.adapter_digest, "sampler_adapter": sampler.adapter_digest,
                   "prompts": len(prefixes), **compare_engines(t_lp, s_lp, answers, cfg.gates.parity_min_prob),
-                  "limits": {"gap_max": cfg.gates.probe_gap_max, "layers_bitwise": cfg.gates.probe_layers_bitwise}}
+                  "limits": {"gap_max": cfg.gates.probe_gap_max, "layers_bitwise": cfg.gates.probe_layers_bitwise},
+                  "seconds": seconds}
         problems = []
         if report["max_gap"] > cfg.gates.probe_gap_max:
             w = report["worst"]
@@ -129,6 +136,7 @@ def probe(run_dir: str, step: int, adapter_in: str, export_in: str, base_in: str
                 problems.append(f"adapter layer {first['layer']} differs from the trainer's (max abs "
                                 f"{first['max_abs']:.3g}, {first['relative']:.2g} of its output) although both "
                                 "engines run the same arithmetic")
+            lap("layers", sync=True)
         report["passed"] = not problems
         step_path = rd.probe(step)
         write_json(step_path, report)

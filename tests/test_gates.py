@@ -140,6 +140,10 @@ def test_probe_checkpoint_and_bitwise_thoughts_on_a_healthy_run(tmp_path):
     assert vc["memory"] == {"before": {}, "after": {}}  # the census counts CUDA memory only
     history = read_jsonl(f"{run_dir}/probe_history.jsonl")
     assert history[-1]["layers"]["differing"] == 0 and history[-1]["layers"]["compared"] > 0
+    # where the probe's time went, part by part (the whole is the stage's wall_s)
+    parts = history[-1]["seconds"]
+    assert set(parts) == {"engines", "thoughts", "trainer", "sampler", "layers"}
+    assert all(v >= 0 for v in parts.values()) and sum(parts.values()) <= pr["wall_s"] + 1e-3
     # bitwise thoughts: the same seed gives the same thought vectors bit for bit, in the same batch layout
     prefixes = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
     a = LT.latent_loop(eng.model, prefixes, 4, 0.05 * eng.scale, eng.scale, eng.toks, generator(0, "bitwise"))

@@ -56,6 +56,7 @@ STEP_METRICS: tuple[StepMetric, ...] = (
     StepMetric("signal", "optimize"),
     StepMetric("live_graph", "optimize"),
     StepMetric("optimizer_kept", "optimize"),  # with workers: one flag per worker
+    StepMetric("one_pass", "optimize"),  # replay.one_pass: True when replay's gradients stood, False if re-forwarded
     StepMetric("thought_logq_gap_max", "optimize"),
     StepMetric("backward_s", "optimize"),
     StepMetric("prepare_s", "optimize"),

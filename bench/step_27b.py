@@ -102,6 +102,7 @@ def main(argv=None) -> dict:
                "generate_turns": m.get("generate_turns"),
                # optimize's own split: back-propagation (with checkpoint recompute) vs loss, optimizer and writes
                "optimize_backward_s": m.get("backward_s"), "live_graph": m.get("live_graph"),
+               "one_pass": m.get("one_pass"),  # replay back-propagated each micro-batch (its weights checked)
                "optimize_laps_s": {k: m.get(k) for k in ("prepare_s", "backward_s", "update_s", "write_s")}}
         T = m.get("replay_tokens")
         rs = ph.get("replay", 0.0) + ph.get("optimize", 0.0)
@@ -124,7 +125,7 @@ def main(argv=None) -> dict:
     for r in steps:
         print(f"step {r['step']} {r['kind']:<6} " + " ".join(f"{k} {v:.1f}s" for k, v in r["phases_s"].items())
               + f" | replay {r.get('replay_tokens')} tok, {r.get('replay_tokens_per_s')} tok/s, MFU {r.get('replay_mfu')}"
-              + f" | optimize {r.get('optimize_laps_s')} (live graph {r.get('live_graph')})"
+              + f" | optimize {r.get('optimize_laps_s')} (live graph {r.get('live_graph')}, one pass {r.get('one_pass')})"
               + f" | peak {r.get('peak_gb')} | preflight/measured {r.get('preflight_est_vs_measured')}"
               + f" | parity {r.get('parity_mean')}/{r.get('parity_max')}")
         for t in r.get("generate_turns") or []:

@@ -233,6 +233,14 @@ class ReplayConfig(_Strict):
                           "engine on a GPU, estimated from the architecture elsewhere")
     logprob_chunk: int = Field(32768, ge=256, description="vocabulary rows per chunk of the selected-token log-probs "
                                                          "(never the full FP32 logits of a turn)")
+    one_pass: bool | None = Field(
+        None, description="back-propagate each micro-batch inside replay, right after its forward, with the loss "
+                          "weights the driver will compute (its graph freed at once: keep if it fits in flight, else "
+                          "checkpointed per checkpoint_keeps), instead of keeping graphs for optimize or recomputing "
+                          "them there; optimize checks the weights bit for bit and re-forwards every micro-batch if "
+                          "one differs. None: on when the preflight has a memory budget (a GPU), the loss is "
+                          "token-level and the weights are known before replay ends (a reuse step, the hf sampler, "
+                          "or no sequence-level importance correction), and neither tier cap is set")
     adapter_forward: Literal["lean", "peft"] = Field(
         "lean", description="lean: PEFT's forward arithmetic with a backward that keeps only BF16 inputs and rank-r "
                             "FP32 intermediates (engine/adapter_grad.py); peft: PEFT's own autograd (FP32 input copies)")
@@ -241,6 +249,10 @@ class ReplayConfig(_Strict):
     def _check(self) -> "ReplayConfig":
         if self.token_costs_mb is not None and set(self.token_costs_mb) != {"keep", "checkpoint", "transient"}:
             raise ValueError("replay.token_costs_mb needs all of keep, checkpoint, transient (MB per token)")
+        if self.one_pass and (self.keep_graph_tokens is not None or self.checkpoint_tokens is not None):
+            raise ValueError("replay.one_pass keeps no graph across micro-batches, so replay.keep_graph_tokens and "
+                             "replay.checkpoint_tokens (cumulative caps of kept graphs) do not apply: unset them, or "
+                             "set replay.one_pass: false")
         if (self.keep_graph_tokens is not None and self.checkpoint_tokens is not None
                 and self.checkpoint_tokens < self.keep_graph_tokens):
             raise ValueError(f"replay.checkpoint_tokens={self.checkpoint_tokens} is below replay.keep_graph_tokens="

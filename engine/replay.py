@@ -12,6 +12,11 @@ Memory policy (the run's ``replay:`` config). Replay is planned before it runs:
                 matmuls also the matrix products' outputs: less recompute), then two-pass: scored without
                 a graph; optimize re-forwards each such micro-batch with its gradient weights and back-propagates it
                 at once, after checking the re-forward equals the first pass bit for bit (gate replay-determinism).
+    one pass    (replay.one_pass) instead of tiers: each micro-batch is back-propagated inside replay right after its
+                forward, with the loss weights the driver will compute, and its graph freed at once -- one forward
+                and one backward per token, no graph kept across micro-batches, no recompute in optimize. Its graph
+                in flight keeps everything when that fits, else is checkpointed (replay.checkpoint_keeps). Optimize
+                checks the weights it computes equal the ones used, bit for bit.
     preflight   peak = resident + kept graph of the keep/checkpoint tiers + the micro-batch in flight, from bytes
                 per token measured on the device (CUDA allocator, one probe turn per engine), given in the config,
                 or estimated from the architecture; a plan that cannot fit stops before replay with a message that
@@ -30,7 +35,8 @@ import torch
 from engine import model as M
 from engine import scoring as SC
 
-TIERS = ("keep", "checkpoint", "two_pass")
+TIERS = ("keep", "checkpoint", "two_pass", "one_pass")
+GRAPHS = ("keep", "checkpoint")  # a one-pass micro-batch's graph in flight
 GiB = 2**30
 
 
@@ -45,6 +51,23 @@ class Turns:
 
     def lengths(self) -> list[int]:
         return [len(p) + z.shape[0] + len(a) + 1 for p, z, a in zip(self.prefixes, self.thoughts, self.answers)]
+
+
+@dataclass
+class OnePass:
+    """A one-pass micro-batch in a step's live graphs: replay back-propagated it already, with these weights (per turn
+    of `idx`); optimize keeps the gradients only if its own weights equal them bit for bit."""
+
+    idx: list[int]
+    w_thought: list[torch.Tensor]
+    w_answer: list[torch.Tensor]
+
+
+class LiveGraphs(list):
+    """Per micro-batch: (idx, answer lp, thought logq) with their graphs, None (two-pass), or OnePass. `grads`: after a
+    one-pass replay, each adapter parameter's .grad and its version counter, so optimize can tell they are untouched."""
+
+    grads: list | None = None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -87,11 +110,18 @@ class ReplayPlan:
     budget_bytes: float | None = None
     base_bytes: float | None = None
     costs: TokenCosts | None = None
+    graphs: list[str] | None = None  # one-pass plans: each micro-batch's graph in flight (GRAPHS)
+
+    @property
+    def one_pass(self) -> bool:
+        return bool(self.tiers) and all(t == "one_pass" for t in self.tiers)
 
     def summary(self) -> dict:
         out = {"microbatches": len(self.microbatches),
                "tier_tokens": {t: sum(n for n, x in zip(self.tokens, self.tiers) if x == t) for t in TIERS},
                "tier_microbatches": {t: self.tiers.count(t) for t in TIERS}}
+        if self.graphs is not None:
+            out["one_pass_graphs"] = {g: self.graphs.count(g) for g in GRAPHS}
         if self.est_peak_bytes is not None:
             out["est_peak_gb"] = round(self.est_peak_bytes / GiB, 3)
         if self.budget_bytes is not None:
@@ -129,17 +159,22 @@ def padded_tokens(lengths: list[int], idx: list[int]) -> int:
 
 
 def plan_replay(lengths: list[int], rc, costs: TokenCosts | None = None, base_bytes: float = 0.0,
-                budget_bytes: float | None = None) -> ReplayPlan:
+                budget_bytes: float | None = None, one_pass: bool = False) -> ReplayPlan:
     """Pack micro-batches and choose a tier for each by cumulative tokens on this device; check that the plan fits.
 
     rc: the run's ``replay`` config. Tiers in order: keep the graph while the cumulative tokens stay within
     ``keep_graph_tokens`` (and, when that is unset, while the estimate fits), then activation checkpointing within
     ``checkpoint_tokens`` (likewise), then two-pass. Without a budget or costs (the CPU default) unset caps mean
     "all": every micro-batch keeps its graph. Raises ReplayMemoryError naming the setting to change when the plan
-    cannot fit."""
+    cannot fit.
+
+    one_pass: every micro-batch is back-propagated inside replay right after its forward (nothing kept across
+    micro-batches); its graph keeps everything when that fits in flight, else it is checkpointed. See plan_one_pass."""
     if not lengths:
         return ReplayPlan([], [], [])
     known = budget_bytes is not None and costs is not None
+    if one_pass:
+        return plan_one_pass(lengths, rc, costs if known else None, base_bytes, budget_bytes)
     mb_tokens = rc.microbatch_tokens
     if mb_tokens is None:
         mb_tokens = rc.auto_microbatch_tokens
@@ -161,6 +196,45 @@ def plan_replay(lengths: list[int], rc, costs: TokenCosts | None = None, base_by
     plan = _assign(plan, tokens, lengths, rc, costs, base_bytes, budget_bytes, two_pass_in_flight=False)
     if "two_pass" in plan.tiers:  # then a re-forward's checkpointed graph is in flight too: plan again with it
         plan = _assign(plan, tokens, lengths, rc, costs, base_bytes, budget_bytes, two_pass_in_flight=True)
+    return plan
+
+
+def plan_one_pass(lengths: list[int], rc, costs: TokenCosts | None, base_bytes: float,
+                  budget_bytes: float | None) -> ReplayPlan:
+    """Micro-batches that are each scored and back-propagated at once: the peak is resident + the largest micro-batch's
+    graph in flight (its keep cost when that fits, else its checkpoint cost) + what its backward adds. The automatic
+    micro-batch size is what fits checkpointed; a turn longer than that gets its own micro-batch and, when even that
+    does not fit, the plan is refused before replay, naming the setting."""
+    mb_tokens = rc.microbatch_tokens
+    room = None if costs is None else budget_bytes - base_bytes - costs.fixed
+    if mb_tokens is None:
+        mb_tokens = rc.auto_microbatch_tokens
+        if costs is not None:
+            mb_tokens = max(1, min(mb_tokens, int(room / max(costs.checkpoint + costs.transient, 1.0))))
+    mbs = pack(lengths, mb_tokens)
+    tokens = [padded_tokens(lengths, idx) for idx in mbs]
+    plan = ReplayPlan(mbs, tokens, ["one_pass"] * len(mbs), budget_bytes=budget_bytes, base_bytes=base_bytes,
+                      costs=costs, graphs=["keep"] * len(mbs))
+    if costs is None:  # no budget (the CPU default): every graph in full
+        return plan
+    peak = 0.0
+    for j, n in enumerate(tokens):
+        if (costs.keep + costs.transient) * n <= room:
+            need = (costs.keep + costs.transient) * n
+        elif (costs.checkpoint + costs.transient) * n <= room:
+            plan.graphs[j], need = "checkpoint", (costs.checkpoint + costs.transient) * n
+        else:
+            need = (costs.checkpoint + costs.transient) * n
+            longest = max(lengths[i] for i in mbs[j])
+            what = (f"one turn of {longest} tokens needs {need / GiB:.1f} GiB checkpointed in flight: shorten "
+                    "episodes (gym.token_budget) or raise replay.memory_budget_gb" if len(mbs[j]) == 1 else
+                    f"micro-batches of {n} tokens need {need / GiB:.1f} GiB checkpointed in flight: lower "
+                    "replay.microbatch_tokens")
+            raise ReplayMemoryError(
+                f"replay preflight (one pass): {base_bytes / GiB:.1f} GiB resident + {costs.fixed / GiB:.1f} GiB "
+                f"fixed + {need / GiB:.1f} GiB in flight exceeds the budget of {budget_bytes / GiB:.1f} GiB; {what}")
+        peak = max(peak, need)
+    plan.est_peak_bytes = base_bytes + costs.fixed + peak
     return plan
 
 
@@ -290,14 +364,18 @@ def replay_adapter(engine):
 
 
 def score_microbatch(engine, turns: Turns, idx: list[int], temperature: float, sigma: float, tier: str = "keep",
-                     rc=None):
+                     rc=None, graph: str = "keep"):
     """Per-turn answer log-probs [(L,)] and thought log-densities (n, K) for turns `idx`.
 
     tier keep: the autograd graph is kept (grad mode permitting); checkpoint: per-layer activation checkpointing;
-    two_pass: the caller scores under no_grad now and re-forwards later. rc: the run's replay config (adapter
-    forward, log-prob chunk); None scores through PEFT's own forward and a full log-softmax."""
+    two_pass: the caller scores under no_grad now and re-forwards later; one_pass: `graph` says which of the two
+    (the caller back-propagates at once). rc: the run's replay config (adapter forward, log-prob chunk); None scores
+    through PEFT's own forward and a full log-softmax."""
     if tier not in TIERS:
         raise ValueError(f"unknown replay tier {tier!r}: one of {TIERS}")
+    if graph not in GRAPHS:
+        raise ValueError(f"unknown one-pass graph {graph!r}: one of {GRAPHS}")
+    checkpointed = tier in ("checkpoint", "two_pass") or (tier == "one_pass" and graph == "checkpoint")
     args = ([turns.prefixes[i] for i in idx], [turns.thoughts[i] for i in idx], [turns.answers[i] for i in idx],
             temperature, sigma, engine.scale, engine.toks)
     from contextlib import nullcontext
@@ -306,7 +384,7 @@ def score_microbatch(engine, turns: Turns, idx: list[int], temperature: float, s
     with ExitStack() as stack:
         if lean:
             stack.enter_context(replay_adapter(engine))
-        if tier in ("checkpoint", "two_pass") and torch.is_grad_enabled():
+        if checkpointed and torch.is_grad_enabled():
             stack.enter_context(checkpointed_layers(engine.model, (lambda: replay_adapter(engine)) if lean else nullcontext,
                                                     "inputs" if rc is None else rc.checkpoint_keeps))
         return SC.score_turns(engine.model, *args, logprob_chunk=None if rc is None else rc.logprob_chunk)
@@ -385,7 +463,7 @@ def device_budget(engine, rc) -> tuple[float | None, float]:
     return None, resident
 
 
-def plan_for(engine, turns: Turns, rc, temperature: float, sigma: float) -> ReplayPlan:
+def plan_for(engine, turns: Turns, rc, temperature: float, sigma: float, one_pass: bool = False) -> ReplayPlan:
     """The replay plan of `turns` on this engine's device. Token costs: from the config, else measured once per
     engine (CUDA) or estimated from the architecture, when there is a budget to plan against."""
     budget, resident = device_budget(engine, rc)
@@ -399,7 +477,7 @@ def plan_for(engine, turns: Turns, rc, temperature: float, sigma: float) -> Repl
             costs = (measure_costs(engine, turns, rc, temperature, sigma) if engine.device.type == "cuda"
                      else estimate_costs(engine.model))
             engine._replay_costs = costs
-    return plan_replay(turns.lengths(), rc, costs, resident, budget)
+    return plan_replay(turns.lengths(), rc, costs, resident, budget, one_pass)
 
 
 def to_sequences(rows: list[int], per_turn: list[torch.Tensor], n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -118,13 +118,15 @@ class Engine:
             return LT.latent_loop(self.model, prefixes, K, sigma, self.scale, self.toks, gen)
 
     # -- the trainer role: replay scores ---------------------------------------------------------------------------
-    def score(self, turns, idx: list[int], temperature: float, sigma: float, tier: str = "keep", rc=None):
+    def score(self, turns, idx: list[int], temperature: float, sigma: float, tier: str = "keep", rc=None,
+              graph: str = "keep"):
         """Replay scores of turns `idx` under the adapter this engine holds: per-turn answer log-probs [(L,)] and
         thought log-densities (n, K), in the replay tier's memory mode (engine.replay.score_microbatch: keep the
-        autograd graph, checkpoint, or score now and re-forward later for the two-pass tier)."""
+        autograd graph, checkpoint, score now and re-forward later for the two-pass tier, or a one-pass
+        micro-batch's `graph`)."""
         from engine.replay import score_microbatch
 
-        return score_microbatch(self, turns, idx, temperature, sigma, tier, rc)
+        return score_microbatch(self, turns, idx, temperature, sigma, tier, rc, graph)
 
     # -- the sampler role: answers and teacher-forced scores --------------------------------------------------------
     def answer_cache(self, trainer: "Engine"):

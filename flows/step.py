@@ -166,7 +166,8 @@ def grpo_step(run_dir: str, step: int, force_from: Stage | None = None) -> dict:
     if cfg.workers:
         rp = _replay_on_workers(run_dir, step, rollouts, inp["adapter"], base, fresh, cfg.workers, force_from)
     else:
-        rp = _run(T.replay, "replay", force_from, run_dir, step, rollouts, inp["adapter"], base, fresh)
+        rp = _run(T.replay, "replay", force_from, run_dir, step, rollouts, inp["adapter"], base, fresh,
+                  None if fresh else inp["old_replay"])
     summaries.append(rp)
     old_replay = rp["path"] if fresh else inp["old_replay"]
     op = _run(T.optimize, "optimize", force_from,

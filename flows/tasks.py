@@ -287,11 +287,12 @@ def gate_reports(run_dir: str, step: int | None, adapter_in: str, base_in: str, 
 
 
 @_stage_task("replay", 1, [2])
-def replay(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: str, fresh: bool) -> dict:
+def replay(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: str, fresh: bool,
+           old_replay_in: str | None = None) -> dict:
     from stages.replay import replay as fn
 
     with gate_reports(run_dir, step, adapter_in, base_in, rollouts_in):
-        return fn(run_dir, step, rollouts_in, adapter_in, base_in, fresh)
+        return fn(run_dir, step, rollouts_in, adapter_in, base_in, fresh, old_replay_in=old_replay_in)
 
 
 @_stage_task("probe", 1, [2])

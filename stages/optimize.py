@@ -125,22 +125,29 @@ class LossInputs:
 
 def loss_inputs(cfg, rollouts_in: str, replay_in: str, old_replay_in: str) -> LossInputs:
     """Read a stored trajectory (rollouts + replay) into the loss's sequence layout."""
-    g = cfg.grpo
     turns, roll = load_turns(rollouts_in)
     rep = read_table(replay_in)
     old = rep if old_replay_in == replay_in else read_table(old_replay_in)  # fresh step: its own replay
+    lp_turn = _thoughts_then_answer(rep, "trainer_logq", "trainer_logps")
+    old_turn = lp_turn if old is rep else _thoughts_then_answer(old, "trainer_logq", "trainer_logps")
+    keep = [torch.tensor(k, dtype=torch.float32) for k in old.column("loss_mask").to_pylist()]
+    return loss_inputs_of(cfg, turns, roll, lp_turn, old_turn, keep)
+
+
+def loss_inputs_of(cfg, turns, roll, lp_turn: list[torch.Tensor], old_turn: list[torch.Tensor],
+                   keep: list[torch.Tensor]) -> LossInputs:
+    """The loss's sequence layout from per-turn values: the replay's (thoughts then answer), the old policy's (the
+    same on a fresh step) and the answer tokens' loss mask (the old replay's parity-gate mask)."""
+    g = cfg.grpo
     meta = table_meta(roll)
     n_rows = int(meta["rows"])
     rows = turns.rows
     K = int(meta["K"])
-    lp_turn = _thoughts_then_answer(rep, "trainer_logq", "trainer_logps")
-    old_turn = _thoughts_then_answer(old, "trainer_logq", "trainer_logps")
     recorded = to_tensor_list(roll, "thought_logq", torch.float32)
     thought_gap = max((float((r - o[:K]).abs().max()) for r, o in zip(recorded, old_turn) if K), default=0.0)
     # the thoughts' sampling density: the trainer's own (old) replay value, or the one the latent loop recorded
     samp_q = [o[:K] for o in old_turn] if g.thought_sampling_logq == "replay" else recorded
     samp_turn = [torch.cat([q, a]) for q, a in zip(samp_q, to_tensor_list(roll, "sampler_logps", torch.float32))]
-    keep = [torch.tensor(k, dtype=torch.float32) for k in old.column("loss_mask").to_pylist()]
     mask_turn = [torch.cat([torch.ones(K), k]) for k in keep]
     _, mask = to_sequences(rows, lp_turn, n_rows)  # (B, T)
     old_lp, _ = to_sequences(rows, old_turn, n_rows)
@@ -171,6 +178,90 @@ def driver_weights(cfg, li: LossInputs, metrics: dict) -> tuple[list[torch.Tenso
     return [x[:li.K] * cfg.grpo.thought_loss_weight for x in w_turn], [x[li.K:] for x in w_turn]
 
 
+def one_pass_exact(cfg, fresh: bool) -> bool:
+    """Whether replay can know a micro-batch's loss weights before the other micro-batches are scored (replay.one_pass
+    auto): a token-level loss, and on a fresh step (where the old policy is the replay itself) no sequence-level
+    importance correction, unless its ratios are exp(0) whatever the other turns hold: the hf sampler, whose answer
+    log-probs are the trainer's where both run the same arithmetic (parity gap 0.0 at the 27B shape on the H200; on
+    the CPU they differ by rounding), and thoughts at their replayed density. Optimize checks the weights bit for
+    bit either way and re-forwards when one differs."""
+    g = cfg.grpo
+    if g.importance_sampling_level != "token":
+        return False
+    sequence_is = g.vllm_importance_sampling_correction and g.vllm_importance_sampling_mode.startswith("sequence")
+    return not (fresh and sequence_is and (cfg.sampler.kind != "hf" or g.thought_sampling_logq != "replay"))
+
+
+class PredictedWeights:
+    """The loss weights of a one-pass micro-batch's turns, computed in replay before the later micro-batches exist:
+    the driver's own loss (loss_inputs_of, driver_weights) on the turns scored so far, with every turn not yet scored
+    standing at its sampling values (thoughts at their recorded or replayed density, answers at the sampler's
+    log-probs: a ratio of exp(0) there) and unmasked. For token-level losses a turn's weights depend on the other
+    turns only through the loss normalizer's token count, so they are the driver's weights unless a later turn gets
+    parity-masked tokens; optimize compares them bit for bit (OnePass entries) and re-forwards if one differs."""
+
+    def __init__(self, cfg, turns, roll, fresh: bool, old_replay_in: str | None):
+        from engine.gates import rollout_parity
+
+        self.cfg, self.turns, self.roll, self.fresh = cfg, turns, roll, fresh
+        self._parity = rollout_parity
+        self.K = int(table_meta(roll)["K"])
+        self.sampler_lp = to_tensor_list(roll, "sampler_logps", torch.float32)
+        if fresh:
+            recorded = to_tensor_list(roll, "thought_logq", torch.float32)
+            self.guess = [torch.cat([q, a]) for q, a in zip(recorded, self.sampler_lp)]
+            self.old_turn, self.keep = None, None
+        else:
+            old = read_table(old_replay_in)
+            self.old_turn = _thoughts_then_answer(old, "trainer_logq", "trainer_logps")
+            self.keep = [torch.tensor(k, dtype=torch.float32) for k in old.column("loss_mask").to_pylist()]
+            self.guess = self.old_turn
+
+    def __call__(self, ans_lp: dict, logq: dict, idx: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        n = len(self.turns.rows)
+        lp_turn = [torch.cat([logq[i].to(torch.float32), ans_lp[i].to(torch.float32)]) if i in ans_lp else self.guess[i]
+                   for i in range(n)]
+        if self.fresh:
+            g = self.cfg.gates
+            keep = []
+            for i in range(n):
+                if i in ans_lp:  # the parity gate's per-token mask, as replay's _finish will compute it
+                    _, k = self._parity([ans_lp[i].tolist()], [self.sampler_lp[i].tolist()], mean_max=g.parity_mean_max,
+                                        token_max=g.parity_token_max, min_prob=g.parity_min_prob)
+                    keep.append(torch.tensor(k[0], dtype=torch.float32))
+                else:
+                    keep.append(torch.ones(self.sampler_lp[i].numel()))
+            li = loss_inputs_of(self.cfg, self.turns, self.roll, lp_turn, lp_turn, keep)
+        else:
+            li = loss_inputs_of(self.cfg, self.turns, self.roll, lp_turn, self.old_turn, self.keep)
+        wt, wa = driver_weights(self.cfg, li, {})
+        return [wt[i] for i in idx], [wa[i] for i in idx]
+
+
+def backward_microbatch(idx: list[int], a, q, w_thought, w_answer) -> None:
+    """Back-propagate Σ w·logp of one micro-batch's turns (the one expression every tier and one-pass replay use)."""
+    dev = a[0].device if a else torch.device("cpu")
+    obj = sum((w_answer[i].to(dev) * a[n]).sum() + (w_thought[i].to(dev) * q[n]).sum() for n, i in enumerate(idx))
+    obj.backward()
+
+
+def one_pass_verified(live, params, w_thought, w_answer) -> bool | None:
+    """None when `live` holds no one-pass micro-batches; else whether the gradients their replay accumulated can stand:
+    every weight it used equals the driver's bit for bit, and the .grad tensors are the ones it left, untouched since
+    (their version counters)."""
+    from engine.replay import OnePass
+
+    entries = [e for e in (live or []) if isinstance(e, OnePass)]
+    if not entries:
+        return None
+    grads = getattr(live, "grads", None)
+    if grads is None or len(grads) != len(params) or any(
+            p.grad is not g or p.grad._version != v for (_, p), (g, v) in zip(params, grads)):
+        return False
+    return all(torch.equal(e.w_thought[n], w_thought[i]) and torch.equal(e.w_answer[n], w_answer[i])
+               for e in entries for n, i in enumerate(e.idx))
+
+
 def stored_plan(replay_in: str) -> tuple[list[list[int]], list[str]]:
     """The micro-batches and tiers replay ran (replay.arrow metadata): optimize follows them exactly."""
     meta = table_meta(replay_in)
@@ -181,27 +272,37 @@ def stored_plan(replay_in: str) -> tuple[list[list[int]], list[str]]:
     return plan["microbatches"], plan["tiers"]
 
 
+def stored_graphs(replay_in: str) -> list[str] | None:
+    """A one-pass replay's graph per micro-batch (keep / checkpoint), for a re-forward in optimize; None otherwise."""
+    return json.loads(table_meta(replay_in)["plan"]).get("graphs")
+
+
 def accumulate_gradients(cfg, engine, li: LossInputs, w_thought, w_answer, live=None, step: int = -1,
-                         plan: tuple[list[list[int]], list[str]] | None = None) -> None:
+                         plan: tuple[list[list[int]], list[str]] | None = None, graphs: list[str] | None = None) -> None:
     """Back-propagate Σ w·logp micro-batch by micro-batch into .grad, following replay's plan.
 
-    A micro-batch with a live graph (keep / checkpoint tiers) back-propagates it; one without (two-pass tier, or no
+    A micro-batch with a live graph (keep / checkpoint tiers) back-propagates it; a one-pass micro-batch whose replay
+    already did (a OnePass entry: the caller checked one_pass_verified) is skipped; one without (two-pass tier, or no
     live graph at all: a rerun, a restarted worker) is re-forwarded with gradients -- two-pass ones with activation
-    checkpointing -- checked bit for bit against the stored replay, and back-propagated at once."""
+    checkpointing, one-pass ones with the graph replay used (`graphs`) -- checked bit for bit against the stored
+    replay, and back-propagated at once."""
+    from engine.replay import OnePass
+
     mbs, tiers = plan
     for j, (idx, tier) in enumerate(zip(mbs, tiers)):
         entry = live[j] if live is not None else None
+        if isinstance(entry, OnePass):
+            live[j] = None
+            continue
         if entry is not None:
             _, a, q = entry
         else:
+            graph = graphs[j] if graphs is not None else ("checkpoint" if tier == "one_pass" else "keep")
             with torch.enable_grad():
-                a, q = engine.score(li.turns, idx, cfg.sampler.temperature, li.sigma, tier, cfg.replay)
+                a, q = engine.score(li.turns, idx, cfg.sampler.temperature, li.sigma, tier, cfg.replay, graph)
             _check_bitwise(step, idx, a, q, li.lp_turn)
-        dev = a[0].device if a else torch.device("cpu")
-        obj = sum((w_answer[i].to(dev) * a[n]).sum() + (w_thought[i].to(dev) * q[n]).sum()
-                  for n, i in enumerate(idx))
-        obj.backward()
-        del a, q, obj
+        backward_microbatch(idx, a, q, w_thought, w_answer)
+        del a, q
         if live is not None:
             live[j] = None  # the graph is spent: free it now, not at the end of the step
 
@@ -234,13 +335,22 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
         kept = _kept_optimizer(engine, cfg, params, optimizer_in)
         opt = kept or _optimizer(cfg, params, optimizer_in)
         out["optimizer_kept"] = kept is not None  # the AdamW of the last step in memory, its file not read back
-        opt.zero_grad(set_to_none=False)
-        for _, p in params:
-            p.grad = torch.zeros_like(p)
         live = engine.live.pop(live_key(rollouts_in, engine.adapter_digest), None)
         out["live_graph"] = live is not None
+        one_pass = one_pass_verified(live, params, w_thought, w_answer)
+        if one_pass is not None:  # True: replay's one-pass gradients stand; False: re-forward those micro-batches
+            out["one_pass"] = one_pass
+        if not one_pass:
+            opt.zero_grad(set_to_none=False)
+            for _, p in params:
+                p.grad = torch.zeros_like(p)
+            if one_pass is False:
+                from engine.replay import OnePass
+
+                live[:] = [None if isinstance(e, OnePass) else e for e in live]
         lap("prepare_s")  # loss and weights on the driver, the engine with the adapter, the optimizer state
-        accumulate_gradients(cfg, engine, li, w_thought, w_answer, live, step, stored_plan(replay_in))
+        accumulate_gradients(cfg, engine, li, w_thought, w_answer, live, step, stored_plan(replay_in),
+                             stored_graphs(replay_in))
         lap("backward_s", sync=True)
         gnorm, bad = _grad_norm(params)
         signal = bool((adv != 0).any()) and bool(mask.any())

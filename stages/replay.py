@@ -7,8 +7,10 @@ limit raises GateFailed. A reuse step appends the same measurement ungated (poli
 
 Memory: the plan (engine.replay.plan_for: micro-batches, a tier per micro-batch, the preflight) is made before any
 scoring and refuses, naming the setting, a replay that cannot fit. Graphs of the keep and checkpoint tiers stay with
-the engine for `optimize` (same process); two-pass micro-batches keep none. The summary carries the plan and, on a
-GPU, the peak memory the stage reached.
+the engine for `optimize` (same process); two-pass micro-batches keep none. A one-pass plan (replay.one_pass)
+back-propagates each micro-batch here, right after its forward, with the loss weights the driver will compute
+(stages.optimize.PredictedWeights), so optimize only checks those weights and updates. The summary carries the plan
+and, on a GPU, the peak memory the stage reached.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from artifacts import RunDir, append_jsonl, read_table, to_tensor_list, verify, write_json
 from artifacts.tables import table_meta, write_replay
 from engine import gates
-from engine.replay import Turns, plan_for
+from engine.replay import LiveGraphs, OnePass, Turns, plan_for
 from stages import faults
 from stages.context import run_config, timer
 
@@ -38,11 +40,30 @@ def live_key(rollouts_in: str, adapter_digest: str) -> tuple[str, str]:
     return (verify(rollouts_in), adapter_digest)
 
 
+def one_pass_wanted(cfg, fresh: bool, old_replay_in: str | None) -> bool:
+    """replay.one_pass: True / False as set; None (auto) on when the preflight has a budget (a GPU, or
+    replay.memory_budget_gb), neither tier cap is set and the loss weights are known before replay ends."""
+    from stages.optimize import one_pass_exact
+
+    rc = cfg.replay
+    if not fresh and old_replay_in is None:
+        return False  # a reuse step's weights need the old policy's replay
+    if rc.one_pass is not None:
+        return rc.one_pass
+    has_budget = rc.memory_budget_gb is not None or str(cfg.device).startswith("cuda")  # as device_budget
+    return (has_budget and rc.keep_graph_tokens is None
+            and rc.checkpoint_tokens is None and one_pass_exact(cfg, fresh))
+
+
 def _scored(cfg, step: int, rollouts_in: str, adapter_in: str, base_in: str, keep_graph: bool,
-            turn_ids: list[int] | None = None):
+            turn_ids: list[int] | None = None, fresh: bool = True, old_replay_in: str | None = None,
+            one_pass: bool = False):
     """The trainer engine under `adapter_in` scores `turn_ids` (default: every turn) of the stored rollouts, micro-batch
     by micro-batch as planned. Returns (engine, turns, rollouts table, {turn: answer lp}, {turn: thought logq}, live
-    graphs per micro-batch, global micro-batches, tiers, the plan's summary)."""
+    graphs per micro-batch, global micro-batches, tiers, the plan's summary, graphs per micro-batch or None).
+
+    one_pass (with keep_graph, every turn): each micro-batch is back-propagated right after its forward with the
+    weights PredictedWeights gives (into fresh zeroed .grad tensors), and its graph freed."""
     from engine import runtime
 
     runtime.set_threads(cfg.threads)
@@ -55,33 +76,53 @@ def _scored(cfg, step: int, rollouts_in: str, adapter_in: str, base_in: str, kee
     ids = list(range(len(turns.rows))) if turn_ids is None else list(turn_ids)
     sub = Turns(prefixes=[turns.prefixes[i] for i in ids], thoughts=[turns.thoughts[i] for i in ids],
                 answers=[turns.answers[i] for i in ids], rows=[turns.rows[i] for i in ids])
-    plan = plan_for(engine, sub, cfg.replay, cfg.sampler.temperature, sigma)  # raises before any scoring
+    one_pass = one_pass and keep_graph and turn_ids is None
+    plan = plan_for(engine, sub, cfg.replay, cfg.sampler.temperature, sigma, one_pass)  # raises before any scoring
     mbs = [[ids[j] for j in mb] for mb in plan.microbatches]
-    ans_lp, logq, live = {}, {}, []
-    for idx, tier in zip(mbs, plan.tiers):
+    graphs = plan.graphs or [None] * len(mbs)
+    ans_lp, logq, live = {}, {}, LiveGraphs()
+    if one_pass:
+        from stages.optimize import PredictedWeights, _adapter_params, backward_microbatch
+
+        predict = PredictedWeights(cfg, turns, table, fresh, old_replay_in)
+        params = _adapter_params(engine.model)
+        for _, p in params:
+            p.grad = torch.zeros_like(p)
+    for idx, tier, graph in zip(mbs, plan.tiers, graphs):
         # two-pass micro-batches keep no graph: optimize re-forwards them (and checks them bit for bit)
         with torch.set_grad_enabled(keep_graph and tier != "two_pass"):
-            a, q = engine.score(turns, idx, cfg.sampler.temperature, sigma, tier, cfg.replay)
-        live.append((idx, a, q) if keep_graph and tier != "two_pass" else None)
-        faults.maybe_kill("replay", step)
+            a, q = engine.score(turns, idx, cfg.sampler.temperature, sigma, tier, cfg.replay, graph or "keep")
         for j, i in enumerate(idx):
             ans_lp[i] = a[j].detach().cpu()
             logq[i] = q[j].detach().cpu()
+        if tier == "one_pass":
+            w_thought, w_answer = predict(ans_lp, logq, idx)
+            wt, wa = dict(zip(idx, w_thought)), dict(zip(idx, w_answer))
+            backward_microbatch(idx, a, q, wt, wa)
+            live.append(OnePass(idx, w_thought, w_answer))
+        else:
+            live.append((idx, a, q) if keep_graph and tier != "two_pass" else None)
+        faults.maybe_kill("replay", step)
         del a, q
-    return engine, turns, table, ans_lp, logq, live, mbs, list(plan.tiers), plan.summary()
+    if one_pass:
+        live.grads = [(p.grad, p.grad._version) for _, p in params]
+    return engine, turns, table, ans_lp, logq, live, mbs, list(plan.tiers), plan.summary(), plan.graphs
 
 
 @faults.kill_window("replay")
 def replay(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: str, fresh: bool,
-           keep_graph: bool = True) -> dict:
+           keep_graph: bool = True, old_replay_in: str | None = None) -> dict:
+    """old_replay_in: a reuse step's old-policy replay (the fresh step's), which a one-pass replay's weights need."""
     cfg = run_config(run_dir)
     out = {"stage": "replay", "fresh": fresh}
     with timer(out):
-        engine, turns, table, ans, lq, live, mbs, tiers, summary = _scored(cfg, step, rollouts_in, adapter_in, base_in,
-                                                                          keep_graph)
+        one_pass = keep_graph and one_pass_wanted(cfg, fresh, old_replay_in)
+        engine, turns, table, ans, lq, live, mbs, tiers, summary, graphs = _scored(
+            cfg, step, rollouts_in, adapter_in, base_in, keep_graph, None, fresh, old_replay_in, one_pass)
         n = len(turns.rows)
+        stored = {"microbatches": mbs, "tiers": tiers, **({"graphs": graphs} if graphs else {})}
         _finish(cfg, run_dir, step, turns, table, [ans[i] for i in range(n)], [lq[i] for i in range(n)], fresh,
-                engine.adapter_digest, {"microbatches": mbs, "tiers": tiers}, out)
+                engine.adapter_digest, stored, out)
         if keep_graph:
             engine.live[live_key(rollouts_in, engine.adapter_digest)] = live
         out.update(microbatches=len(mbs), plan=summary)
@@ -110,8 +151,8 @@ def replay_shard(run_dir: str, step: int, rollouts_in: str, adapter_in: str, bas
     cfg = run_config(run_dir)
     out = {"stage": "replay"}
     with timer(out):
-        engine, turns, _, ans, lq, live, mbs, tiers, summary = _scored(cfg, step, rollouts_in, adapter_in, base_in,
-                                                                      keep_graph, turn_ids)
+        engine, turns, _, ans, lq, live, mbs, tiers, summary, _ = _scored(cfg, step, rollouts_in, adapter_in, base_in,
+                                                                         keep_graph, turn_ids)
         tensors = {**{f"a.{i}": ans[i] for i in turn_ids}, **{f"q.{i}": lq[i] for i in turn_ids}}
         write_tensors(out_path, tensors, {"turns": json.dumps(list(turn_ids)), "adapter": engine.adapter_digest,
                                           "plan": json.dumps({"microbatches": mbs, "tiers": tiers})})

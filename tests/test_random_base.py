@@ -143,3 +143,102 @@ def test_an_engine_hashes_an_adapter_it_already_holds_once(tmp_path, monkeypatch
     engine.use_adapter(adapter)  # rewritten: hashed and loaded again
     assert any(h.endswith("adapter_model.safetensors") for h in hashed)
     assert engine.adapter_digest == store.dir_digest(adapter)
+
+
+# token-level importance correction: a turn's loss weights then depend on the other turns only through the token
+# count, so replay knows them exactly (sequence-level correction on a fresh step needs the whole row: on the CPU the
+# hf sampler's log-probs differ from the trainer's by rounding, the predicted ratios too, and optimize re-forwards)
+ONE_PASS = {**{k: v for k, v in RANDOM.items() if k not in ("replay.keep_graph_tokens", "replay.checkpoint_tokens")},
+            "grpo.vllm_importance_sampling_mode": "token_mask"}
+
+
+def test_one_pass_replay_gives_the_tiered_step_bit_for_bit_fresh_and_reuse(tmp_path, monkeypatch):
+    """replay.one_pass back-propagates each micro-batch inside replay with the weights the driver computes later:
+    the adapters after a fresh and a reuse step equal, bit for bit, those of the same steps with kept graphs and of
+    optimize re-run from the stored artifacts (every micro-batch re-forwarded); weights that differ from the
+    driver's, or gradients touched between replay and optimize, make optimize re-forward instead of using them."""
+    from artifacts import read_tensors
+    from engine import runtime
+    from stages.optimize import optimize
+    from stages.replay import replay
+
+    def adapter(run_dir, step):
+        return read_tensors(f"{run_dir}/step-{step:04d}/adapter/adapter_model.safetensors")[0]
+
+    def same(a, b):
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    runs = {}
+    for name, one_pass in (("kept", False), ("one_pass", True)):
+        runtime.clear()
+        run_dir = make_run(tmp_path / name, **ONE_PASS, **{"replay.one_pass": one_pass})
+        s0 = fresh_step(run_dir, 0, f"{run_dir}/adapter-init")
+        ro, rp, base = s0["rollouts"], s0["replay"]["path"], s0["base"]
+        r1 = replay(run_dir, 1, ro, f"{run_dir}/step-0000/adapter", base, False, old_replay_in=rp)
+        o1 = optimize(run_dir, 1, ro, r1["path"], rp, f"{run_dir}/step-0000/adapter",
+                      f"{run_dir}/step-0000/optimizer.safetensors", base)
+        runs[name] = (run_dir, s0, r1, o1)
+    kept, one = runs["kept"], runs["one_pass"]
+    n_mb = one[1]["replay"]["plan"]["microbatches"]
+    assert n_mb > 1 and one[1]["replay"]["plan"]["tier_microbatches"]["one_pass"] == n_mb, one[1]["replay"]["plan"]
+    assert one[2]["plan"]["tier_microbatches"]["one_pass"] == n_mb
+    assert kept[1]["replay"]["plan"]["tier_microbatches"]["keep"] == n_mb
+    assert one[1]["optimize"]["one_pass"] is True and one[3]["one_pass"] is True
+    assert "one_pass" not in kept[1]["optimize"]
+    for step in (0, 1):
+        assert same(adapter(kept[0], step), adapter(one[0], step)), step
+
+    # optimize from the stored artifacts in a new "process": the one-pass plan's micro-batches are re-forwarded with
+    # the graphs replay used, checked bit for bit, and give the same adapter
+    run_dir, s0 = one[0], one[1]
+    ro, rp, base = s0["rollouts"], s0["replay"]["path"], s0["base"]
+    want = adapter(run_dir, 0)
+    runtime.clear()
+    op = optimize(run_dir, 0, ro, rp, rp, f"{run_dir}/adapter-init", None, base)
+    assert not op["live_graph"] and "one_pass" not in op and same(adapter(run_dir, 0), want)
+
+    # weights replay predicted wrong: optimize sees it and re-forwards
+    import stages.optimize as SO
+
+    real = SO.PredictedWeights.__call__
+    monkeypatch.setattr(SO.PredictedWeights, "__call__",
+                        lambda self, *a: tuple([w * 1.5 for w in ws] for ws in real(self, *a)))
+    replay(run_dir, 0, ro, f"{run_dir}/adapter-init", base, True)
+    op = optimize(run_dir, 0, ro, rp, rp, f"{run_dir}/adapter-init", None, base)
+    assert op["live_graph"] and op["one_pass"] is False and same(adapter(run_dir, 0), want)
+    monkeypatch.setattr(SO.PredictedWeights, "__call__", real)
+
+    # gradients touched between replay and optimize: not trusted either
+    replay(run_dir, 0, ro, f"{run_dir}/adapter-init", base, True)
+    eng = runtime.trainer(runtime_cfg := SO.run_config(run_dir), base, base)
+    next(p for p in eng.model.parameters() if p.requires_grad).grad.mul_(1.0)
+    op = optimize(run_dir, 0, ro, rp, rp, f"{run_dir}/adapter-init", None, base)
+    assert op["one_pass"] is False and same(adapter(run_dir, 0), want), runtime_cfg.replay
+
+
+def test_one_pass_plan_keeps_what_fits_in_flight_and_refuses_what_cannot():
+    from configs.schema import ReplayConfig
+    from engine.replay import ReplayMemoryError, TokenCosts, plan_replay
+
+    GiB, MiB = 2**30, 2**20
+    costs = TokenCosts(keep=4 * MiB, checkpoint=1 * MiB, transient=0.5 * MiB, source="config", fixed=0.25 * GiB)
+    lengths = [3000, 2500, 1000, 900, 800]
+    plan = plan_replay(lengths, ReplayConfig(), costs, base_bytes=10 * GiB, budget_bytes=24 * GiB, one_pass=True)
+    assert plan.one_pass and sorted(i for mb in plan.microbatches for i in mb) == list(range(5))
+    room = 14 * GiB - 0.25 * GiB
+    for n, g in zip(plan.tokens, plan.graphs):  # keep whatever fits in flight, else checkpointed
+        assert g == ("keep" if (costs.keep + costs.transient) * n <= room else "checkpoint"), (n, g)
+    assert set(plan.graphs) == {"keep", "checkpoint"}
+    need = max(((costs.keep if g == "keep" else costs.checkpoint) + costs.transient) * n
+               for n, g in zip(plan.tokens, plan.graphs))
+    assert plan.est_peak_bytes == 10 * GiB + costs.fixed + need <= 24 * GiB
+    assert plan.summary()["tier_microbatches"]["one_pass"] == len(plan.microbatches)
+    # without a budget (the CPU default) every micro-batch keeps its whole graph in flight
+    free = plan_replay(lengths, ReplayConfig(microbatch_tokens=3000), one_pass=True)
+    assert free.graphs == ["keep"] * len(free.microbatches) and free.tiers == ["one_pass"] * len(free.microbatches)
+    with pytest.raises(ReplayMemoryError, match="gym.token_budget|replay.memory_budget_gb"):
+        plan_replay([20000], ReplayConfig(), costs, 10 * GiB, 24 * GiB, one_pass=True)
+    with pytest.raises(ReplayMemoryError, match="replay.microbatch_tokens"):
+        plan_replay([5000, 5000, 5000], ReplayConfig(microbatch_tokens=15000), costs, 10 * GiB, 24 * GiB, one_pass=True)
+    with pytest.raises(ValueError, match="replay.one_pass"):
+        ReplayConfig(one_pass=True, keep_graph_tokens=100)

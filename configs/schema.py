@@ -233,14 +233,15 @@ class ReplayConfig(_Strict):
                           "engine on a GPU, estimated from the architecture elsewhere")
     logprob_chunk: int = Field(32768, ge=256, description="vocabulary rows per chunk of the selected-token log-probs "
                                                          "(never the full FP32 logits of a turn)")
-    one_pass: bool | None = Field(
-        None, description="back-propagate each micro-batch inside replay, right after its forward, with the loss "
-                          "weights the driver will compute (its graph freed at once: keep if it fits in flight, else "
-                          "checkpointed per checkpoint_keeps), instead of keeping graphs for optimize or recomputing "
-                          "them there; optimize checks the weights bit for bit and re-forwards every micro-batch if "
-                          "one differs. None: on when the preflight has a memory budget (a GPU), the loss is "
-                          "token-level and the weights are known before replay ends (a reuse step, the hf sampler, "
-                          "or no sequence-level importance correction), and neither tier cap is set")
+    one_pass: bool = Field(
+        False, description="back-propagate each micro-batch inside replay, right after its forward, with the loss "
+                           "weights the driver will compute (its graph freed at once: kept whole if that fits in "
+                           "flight, else checkpointed per checkpoint_keeps), instead of keeping graphs for optimize "
+                           "or recomputing them there; optimize checks the weights bit for bit and re-forwards every "
+                           "micro-batch if one differs. Exact for token-level losses, except on fresh steps with a "
+                           "sequence-level importance correction unless the sampler's log-probs equal the trainer's "
+                           "bit for bit. Off by default: at the 27B shape on the H200 it measured slower than the "
+                           "tiers (README, 'Replay memory')")
     adapter_forward: Literal["lean", "peft"] = Field(
         "lean", description="lean: PEFT's forward arithmetic with a backward that keeps only BF16 inputs and rank-r "
                             "FP32 intermediates (engine/adapter_grad.py); peft: PEFT's own autograd (FP32 input copies)")

@@ -178,27 +178,16 @@ def driver_weights(cfg, li: LossInputs, metrics: dict) -> tuple[list[torch.Tenso
     return [x[:li.K] * cfg.grpo.thought_loss_weight for x in w_turn], [x[li.K:] for x in w_turn]
 
 
-def one_pass_exact(cfg, fresh: bool) -> bool:
-    """Whether replay can know a micro-batch's loss weights before the other micro-batches are scored (replay.one_pass
-    auto): a token-level loss, and on a fresh step (where the old policy is the replay itself) no sequence-level
-    importance correction, unless its ratios are exp(0) whatever the other turns hold: the hf sampler, whose answer
-    log-probs are the trainer's where both run the same arithmetic (parity gap 0.0 at the 27B shape on the H200; on
-    the CPU they differ by rounding), and thoughts at their replayed density. Optimize checks the weights bit for
-    bit either way and re-forwards when one differs."""
-    g = cfg.grpo
-    if g.importance_sampling_level != "token":
-        return False
-    sequence_is = g.vllm_importance_sampling_correction and g.vllm_importance_sampling_mode.startswith("sequence")
-    return not (fresh and sequence_is and (cfg.sampler.kind != "hf" or g.thought_sampling_logq != "replay"))
-
-
 class PredictedWeights:
     """The loss weights of a one-pass micro-batch's turns, computed in replay before the later micro-batches exist:
     the driver's own loss (loss_inputs_of, driver_weights) on the turns scored so far, with every turn not yet scored
     standing at its sampling values (thoughts at their recorded or replayed density, answers at the sampler's
     log-probs: a ratio of exp(0) there) and unmasked. For token-level losses a turn's weights depend on the other
     turns only through the loss normalizer's token count, so they are the driver's weights unless a later turn gets
-    parity-masked tokens; optimize compares them bit for bit (OnePass entries) and re-forwards if one differs."""
+    parity-masked tokens; optimize compares them bit for bit (OnePass entries) and re-forwards if one differs. Not
+    so a sequence-level importance correction on a fresh step, whose row ratio sums the trainer-sampler gaps of turns
+    not yet scored: exact only where the sampler's log-probs equal the trainer's bit for bit (at the 27B shape the
+    NF4 trainer and its BF16-export sampler do not: every fresh step there re-forwarded)."""
 
     def __init__(self, cfg, turns, roll, fresh: bool, old_replay_in: str | None):
         from engine.gates import rollout_parity

@@ -41,18 +41,8 @@ def live_key(rollouts_in: str, adapter_digest: str) -> tuple[str, str]:
 
 
 def one_pass_wanted(cfg, fresh: bool, old_replay_in: str | None) -> bool:
-    """replay.one_pass: True / False as set; None (auto) on when the preflight has a budget (a GPU, or
-    replay.memory_budget_gb), neither tier cap is set and the loss weights are known before replay ends."""
-    from stages.optimize import one_pass_exact
-
-    rc = cfg.replay
-    if not fresh and old_replay_in is None:
-        return False  # a reuse step's weights need the old policy's replay
-    if rc.one_pass is not None:
-        return rc.one_pass
-    has_budget = rc.memory_budget_gb is not None or str(cfg.device).startswith("cuda")  # as device_budget
-    return (has_budget and rc.keep_graph_tokens is None
-            and rc.checkpoint_tokens is None and one_pass_exact(cfg, fresh))
+    """replay.one_pass, where replay can compute the weights: a reuse step's need the old policy's replay."""
+    return cfg.replay.one_pass and (fresh or old_replay_in is not None)
 
 
 def _scored(cfg, step: int, rollouts_in: str, adapter_in: str, base_in: str, keep_graph: bool,

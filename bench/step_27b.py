@@ -96,7 +96,9 @@ def main(argv=None) -> dict:
         m = json.loads(line)
         ph = m.get("phases", {})
         row = {"step": m["step"], "kind": m["kind"], "phases_s": ph, "stage_seconds": m.get("stage_seconds"),
-               "peak_gb": m.get("peak_gb"), "parity_mean": m.get("parity_mean"), "parity_max": m.get("parity_max"),
+               "peak_gb": m.get("peak_gb"), "peak_reserved_gb": m.get("peak_reserved_gb"),
+               "alloc_retries": m.get("alloc_retries"),  # per stage: cache flushes of the CUDA allocator
+               "parity_mean": m.get("parity_mean"), "parity_max": m.get("parity_max"),
                "masked": m.get("parity_masked"), "grad_norm": m.get("grad_norm"), "reward_mean": m.get("reward_mean"),
                "replay_tokens": m.get("replay_tokens"), "replay_plan": m.get("replay_plan"),
                "generate_turns": m.get("generate_turns"),
@@ -126,7 +128,8 @@ def main(argv=None) -> dict:
         print(f"step {r['step']} {r['kind']:<6} " + " ".join(f"{k} {v:.1f}s" for k, v in r["phases_s"].items())
               + f" | replay {r.get('replay_tokens')} tok, {r.get('replay_tokens_per_s')} tok/s, MFU {r.get('replay_mfu')}"
               + f" | optimize {r.get('optimize_laps_s')} (live graph {r.get('live_graph')}, one pass {r.get('one_pass')})"
-              + f" | peak {r.get('peak_gb')} | preflight/measured {r.get('preflight_est_vs_measured')}"
+              + f" | peak {r.get('peak_gb')} | allocator retries {r.get('alloc_retries')}"
+              + f" | preflight/measured {r.get('preflight_est_vs_measured')}"
               + f" | parity {r.get('parity_mean')}/{r.get('parity_max')}")
         for t in r.get("generate_turns") or []:
             print("   turn " + " ".join(f"{k}={v}" for k, v in t.items()))

@@ -70,9 +70,11 @@ def timer(out: dict, key: str = "wall_s"):
         torch = sys.modules.get("torch")
         return torch if key == "wall_s" and torch is not None and torch.cuda.is_initialized() else None
 
+    retries = 0
     if (torch := cuda()) is not None:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     t0 = time.perf_counter()
     try:
         yield out
@@ -81,6 +83,10 @@ def timer(out: dict, key: str = "wall_s"):
         if (torch := cuda()) is not None:  # also when the block started CUDA (a stage that loads its engine)
             torch.cuda.synchronize()
             out["peak_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+            out["peak_reserved_gb"] = round(torch.cuda.max_memory_reserved() / 2**30, 3)
+            # allocations that found no free block, so the allocator released its cache and tried again (each one
+            # synchronizes the device): a stage planned near the memory budget shows them here
+            out["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
             # what the stage dropped (a fresh verification engine, spent replay graphs) goes back to the device
             # before the next stage plans its memory (the replay preflight reads free memory)
             import gc

@@ -149,6 +149,23 @@ def test_probe_checkpoint_and_bitwise_thoughts_on_a_healthy_run(tmp_path):
     a = LT.latent_loop(eng.model, prefixes, 4, 0.05 * eng.scale, eng.scale, eng.toks, generator(0, "bitwise"))
     b = LT.latent_loop(eng.model, prefixes, 4, 0.05 * eng.scale, eng.scale, eng.toks, generator(0, "bitwise"))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    # the probe samples its thoughts on the engine generation samples them with (its fastest path: graphed on a GPU);
+    # the same thoughts bit for bit as the trainer model's plain loop that verify-checkpoint runs
+    from stages.probe import probe_inputs
+
+    sampler = runtime.sampler(cfg, s0["export"], s0["base"])
+    thinker = runtime.latent_engine(cfg, eng, sampler)
+    assert thinker is eng  # an unquantized base: the trainer samples the thoughts (latent.engine auto)
+    plain, fast = probe_inputs(cfg, eng, s0["base"]), probe_inputs(cfg, eng, s0["base"], thinker)
+    assert plain[0] == fast[0] and plain[2] == fast[2] and all(torch.equal(x, y) for x, y in zip(plain[1], fast[1]))
+    # latent.engine sampler (what auto picks for an NF4 base): the sampler's model samples the probe's thoughts, the
+    # same ones here (its model is the unquantized trainer's)
+    on_sampler = cfg.with_overrides(**{"latent.engine": "sampler"})
+    for e in (eng, sampler):
+        e.use_adapter(adapter)
+    assert runtime.latent_engine(on_sampler, eng, sampler) is sampler
+    via = probe_inputs(on_sampler, eng, s0["base"], runtime.latent_engine(on_sampler, eng, sampler))
+    assert all(torch.equal(x, y) for x, y in zip(plain[1], via[1]))
     # a reuse step appends its (ungated) drift report: every step leaves a parity record
     from stages.replay import replay
 

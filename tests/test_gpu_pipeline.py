@@ -98,6 +98,8 @@ def test_fresh_steps_on_cuda(tmp_path, variant):
         rp, op = s["replay"], s["optimize"]
         assert rp["parity_mean"] <= cfg.gates.parity_mean_max  # the gate itself raised otherwise
         assert np.isfinite(op["grad_norm"]) and (op["grad_norm"] > 0 or not op["signal"])  # the gate checks too
+        for st in (rp, op):  # the allocator's side of a stage: reserved peak >= allocated peak, retries counted
+            assert st["peak_reserved_gb"] >= st["peak_gb"] > 0 and st["alloc_retries"] >= 0
         n_in = sum(g["prefix_input_tokens"] for g in s["generate"])
         n_comp = sum(g["prefix_computed_tokens"] for g in s["generate"])
         assert 0 < n_comp < n_in

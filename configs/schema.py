@@ -484,6 +484,10 @@ class RunConfig(_Strict):
                 "loop and in replay; on a GPU fla's GDN kernels are not (a single-token recurrent step against the "
                 "chunked form: 38.3 nat on an H200 against 2.3 with the reference, bench/results/h200-thought-gap-"
                 "2026-12-01.json). Set model.gdn_kernels: torch with it (slower replay), or turn attention_fp32 off")
+        if self.replay.one_pass and self.workers:
+            raise ValueError("replay.one_pass back-propagates inside replay in one process; with the worker pool "
+                             f"(workers: {self.workers}) each worker keeps its graphs for optimize instead. Set "
+                             "replay.one_pass: false, or workers: 0")
         return self
 
     def model_is_hybrid(self) -> bool:

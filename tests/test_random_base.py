@@ -242,3 +242,7 @@ def test_one_pass_plan_keeps_what_fits_in_flight_and_refuses_what_cannot():
         plan_replay([5000, 5000, 5000], ReplayConfig(microbatch_tokens=15000), costs, 10 * GiB, 24 * GiB, one_pass=True)
     with pytest.raises(ValueError, match="replay.one_pass"):
         ReplayConfig(one_pass=True, keep_graph_tokens=100)
+    from configs.schema import load_config
+
+    with pytest.raises(ValueError, match="replay.one_pass: false, or workers: 0"):
+        load_config("tiny", {"replay.one_pass": True, "workers": 2})

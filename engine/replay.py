@@ -219,12 +219,10 @@ def plan_one_pass(lengths: list[int], rc, costs: TokenCosts | None, base_bytes: 
         return plan
     peak = 0.0
     for j, n in enumerate(tokens):
-        if (costs.keep + costs.transient) * n <= room:
-            need = (costs.keep + costs.transient) * n
-        elif (costs.checkpoint + costs.transient) * n <= room:
+        need = (costs.keep + costs.transient) * n
+        if need > room:
             plan.graphs[j], need = "checkpoint", (costs.checkpoint + costs.transient) * n
-        else:
-            need = (costs.checkpoint + costs.transient) * n
+        if need > room:
             longest = max(lengths[i] for i in mbs[j])
             what = (f"one turn of {longest} tokens needs {need / GiB:.1f} GiB checkpointed in flight: shorten "
                     "episodes (gym.token_budget) or raise replay.memory_budget_gb" if len(mbs[j]) == 1 else

@@ -300,14 +300,11 @@ def publish(run_dir: str, step: int, kind: str, summaries: list[dict]) -> dict:
              if s["stage"] == "generate-turn" and not s.get("cached")]
     if turns:  # per model turn: where the generate-turn seconds went (bench/step_27b.py prints them)
         metrics["generate_turns"] = turns
-    peaks = {s["stage"]: s["peak_gb"] for s in summaries if "peak_gb" in s and not s.get("cached")}
-    if peaks:  # GPU: peak allocated memory per stage (the highest of a stage's runs)
-        metrics["peak_gb"] = {k: max(s["peak_gb"] for s in summaries if s["stage"] == k and "peak_gb" in s)
-                              for k in peaks}
-    for extra in ("peak_reserved_gb", "alloc_retries"):  # GPU: the allocator's side of the same stages
-        got = {s["stage"]: s[extra] for s in summaries if extra in s and not s.get("cached")}
-        if got:
-            metrics[extra] = {k: max(s[extra] for s in summaries if s["stage"] == k and extra in s) for k in got}
+    # GPU, per stage (the highest of a stage's runs): peak allocated and reserved memory, allocator retries
+    for key in ("peak_gb", "peak_reserved_gb", "alloc_retries"):
+        stages = {s["stage"] for s in summaries if key in s and not s.get("cached")}
+        if stages:
+            metrics[key] = {k: max(s[key] for s in summaries if s["stage"] == k and key in s) for k in stages}
     write_json(rd.timings(step), ph)
     write_json(rd.metrics(step), metrics)
     append_jsonl(rd.metrics_history(), metrics | {"phases": ph}, replace="step")

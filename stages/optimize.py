@@ -22,7 +22,7 @@ from artifacts.tables import table_meta
 from engine import gates
 from engine import model as M
 from engine.loss import grpo_loss, importance_sampling_ratio, negative_token_advantages, token_weights
-from engine.replay import from_sequences, to_sequences
+from engine.replay import OnePass, from_sequences, to_sequences
 from stages.context import Laps, run_config, timer
 from stages.replay import live_key, load_turns
 from stages import faults
@@ -184,18 +184,16 @@ class PredictedWeights:
     standing at its sampling values (thoughts at their recorded or replayed density, answers at the sampler's
     log-probs: a ratio of exp(0) there) and unmasked. For token-level losses a turn's weights depend on the other
     turns only through the loss normalizer's token count, so they are the driver's weights unless a later turn gets
-    parity-masked tokens; optimize compares them bit for bit (OnePass entries) and re-forwards if one differs. Not
+    parity-masked tokens; optimize compares them bit for bit (OnePass entries) and re-forwards if one differs. Call it
+    once per micro-batch, in replay order (a fresh step's parity masks are taken from the turns of each call). Not
     so a sequence-level importance correction on a fresh step, whose row ratio sums the trainer-sampler gaps of turns
     not yet scored: exact only where the sampler's log-probs equal the trainer's bit for bit (at the 27B shape the
     NF4 trainer and its BF16-export sampler do not: every fresh step there re-forwarded)."""
 
     def __init__(self, cfg, turns, roll, fresh: bool, old_replay_in: str | None):
-        from engine.gates import rollout_parity
-
         self.cfg, self.turns, self.roll, self.fresh = cfg, turns, roll, fresh
-        self._parity = rollout_parity
-        self.K = int(table_meta(roll)["K"])
         self.sampler_lp = to_tensor_list(roll, "sampler_logps", torch.float32)
+        self.parity_keep: dict[int, torch.Tensor] = {}  # fresh step: a scored turn's parity-gate mask, once per turn
         if fresh:
             recorded = to_tensor_list(roll, "thought_logq", torch.float32)
             self.guess = [torch.cat([q, a]) for q, a in zip(recorded, self.sampler_lp)]
@@ -212,14 +210,12 @@ class PredictedWeights:
                    for i in range(n)]
         if self.fresh:
             g = self.cfg.gates
-            keep = []
-            for i in range(n):
-                if i in ans_lp:  # the parity gate's per-token mask, as replay's _finish will compute it
-                    _, k = self._parity([ans_lp[i].tolist()], [self.sampler_lp[i].tolist()], mean_max=g.parity_mean_max,
-                                        token_max=g.parity_token_max, min_prob=g.parity_min_prob)
-                    keep.append(torch.tensor(k[0], dtype=torch.float32))
-                else:
-                    keep.append(torch.ones(self.sampler_lp[i].numel()))
+            for i in idx:  # the parity gate's per-token mask, as replay's _finish will compute it
+                _, k = gates.rollout_parity([ans_lp[i].tolist()], [self.sampler_lp[i].tolist()],
+                                            mean_max=g.parity_mean_max, token_max=g.parity_token_max,
+                                            min_prob=g.parity_min_prob)
+                self.parity_keep[i] = torch.tensor(k[0], dtype=torch.float32)
+            keep = [self.parity_keep.get(i, torch.ones(self.sampler_lp[i].numel())) for i in range(n)]
             li = loss_inputs_of(self.cfg, self.turns, self.roll, lp_turn, lp_turn, keep)
         else:
             li = loss_inputs_of(self.cfg, self.turns, self.roll, lp_turn, self.old_turn, self.keep)
@@ -238,8 +234,6 @@ def one_pass_verified(live, params, w_thought, w_answer) -> bool | None:
     """None when `live` holds no one-pass micro-batches; else whether the gradients their replay accumulated can stand:
     every weight it used equals the driver's bit for bit, and the .grad tensors are the ones it left, untouched since
     (their version counters)."""
-    from engine.replay import OnePass
-
     entries = [e for e in (live or []) if isinstance(e, OnePass)]
     if not entries:
         return None
@@ -275,8 +269,6 @@ def accumulate_gradients(cfg, engine, li: LossInputs, w_thought, w_answer, live=
     live graph at all: a rerun, a restarted worker) is re-forwarded with gradients -- two-pass ones with activation
     checkpointing, one-pass ones with the graph replay used (`graphs`) -- checked bit for bit against the stored
     replay, and back-propagated at once."""
-    from engine.replay import OnePass
-
     mbs, tiers = plan
     for j, (idx, tier) in enumerate(zip(mbs, tiers)):
         entry = live[j] if live is not None else None
@@ -334,8 +326,6 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
             for _, p in params:
                 p.grad = torch.zeros_like(p)
             if one_pass is False:
-                from engine.replay import OnePass
-
                 live[:] = [None if isinstance(e, OnePass) else e for e in live]
         lap("prepare_s")  # loss and weights on the driver, the engine with the adapter, the optimizer state
         accumulate_gradients(cfg, engine, li, w_thought, w_answer, live, step, stored_plan(replay_in),

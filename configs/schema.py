@@ -153,6 +153,12 @@ class AdapterConfig(_Strict):
         ],
         description="Linear module names (GDN: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj)",
     )
+    train_final_norm: bool = Field(
+        False, description="also train the model's final RMSNorm weight in full beside the adapter (PEFT "
+                           "modules_to_save, an FP32 master like the adapter's; its LR is optimizer.final_norm_lr). "
+                           "Its scale is how sharp the output distribution is: low-rank adapters under the final "
+                           "norm cannot change it, so a policy sampled hotter than it is sure cannot sharpen without it. "
+                           "The hf sampler only (vLLM's LoRA cannot load it)")
 
     @model_validator(mode="after")
     def _targets_are_linear(self) -> "AdapterConfig":
@@ -375,6 +381,10 @@ class OptimizerConfig(_Strict):
     eps: float = 1e-8
     weight_decay: float = 0.0
     max_grad_norm: float | None = Field(1.0, description="None disables clipping")
+    final_norm_lr: float | None = Field(
+        None, gt=0, description="AdamW's LR for the final norm's weight when adapter.train_final_norm (one shared "
+                                "vector: Adam moves each entry by about this much per update); None: optimizer.lr. Unused "
+                                "without adapter.train_final_norm")
 
 
 class StepsConfig(_Strict):
@@ -484,6 +494,10 @@ class RunConfig(_Strict):
                 "loop and in replay; on a GPU fla's GDN kernels are not (a single-token recurrent step against the "
                 "chunked form: 38.3 nat on an H200 against 2.3 with the reference, bench/results/h200-thought-gap-"
                 "2026-12-01.json). Set model.gdn_kernels: torch with it (slower replay), or turn attention_fp32 off")
+        if self.adapter.train_final_norm and s.kind == "vllm":
+            raise ValueError("adapter.train_final_norm trains the final norm's weight in full, which vLLM's LoRA "
+                             "cannot load into its engine: set adapter.train_final_norm: false (--set "
+                             "adapter.train_final_norm=false), or sampler.kind: hf")
         if self.replay.one_pass and self.workers:
             raise ValueError("replay.one_pass back-propagates inside replay in one process; with the worker pool "
                              f"(workers: {self.workers}) each worker keeps its graphs for optimize instead. Set "

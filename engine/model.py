@@ -201,12 +201,32 @@ def attach_adapter(model, adapter_cfg):
         target_modules=list(adapter_cfg.targets),
         use_dora=adapter_cfg.type == "dora",
         bias="none",
+        modules_to_save=[final_norm_name(model)] if getattr(adapter_cfg, "train_final_norm", False) else None,
     )
     peft_model = get_peft_model(model, lcfg)
     for n, p in peft_model.named_parameters():
         if p.requires_grad:
             p.data = p.data.float()  # FP32 masters
     return peft_model
+
+
+def final_norm_name(model) -> str:
+    """The module name of the model's final RMSNorm (`model.norm` in a Qwen3_5ForCausalLM), as PEFT's
+    modules_to_save matches it: a suffix of exactly one module's name (no GDN layer's gated `norm` ends with it)."""
+    text, _, _ = _parts(model)
+    names = [n for n, m in model.named_modules() if m is text.norm]
+    if len(names) != 1:
+        raise ValueError(f"the final norm is {len(names)} modules of this model (expected 1): cannot train it")
+    matching = [n for n, _ in model.named_modules() if n.endswith(names[0])]
+    if matching != names:
+        raise ValueError(f"the final norm's name {names[0]!r} is also the end of {matching}: cannot train it alone")
+    return names[0]
+
+
+def is_trained_module_param(name: str) -> bool:
+    """A parameter PEFT trains in full (modules_to_save: the final norm with adapter.train_final_norm), by the name
+    model.named_parameters() gives it."""
+    return ".modules_to_save." in name
 
 
 def adapter_state(peft_model) -> dict[str, torch.Tensor]:

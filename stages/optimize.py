@@ -32,18 +32,34 @@ def _adapter_params(model) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
+def _param_groups(cfg, params: list[tuple[str, torch.nn.Parameter]]) -> list[tuple[list[torch.nn.Parameter], float]]:
+    """AdamW's groups as (parameters, lr), each in `params` order: the adapter at optimizer.lr, then (with
+    adapter.train_final_norm) the fully trained final norm at optimizer.final_norm_lr."""
+    from engine.model import is_trained_module_param
+
+    oc = cfg.optimizer
+    full = [p for n, p in params if is_trained_module_param(n)]
+    groups = [([p for n, p in params if not is_trained_module_param(n)], oc.lr)]
+    if full:
+        groups.append((full, oc.final_norm_lr if oc.final_norm_lr is not None else oc.lr))
+    return groups
+
+
 def _optimizer(cfg, params: list[tuple[str, torch.nn.Parameter]], state_in: str | None) -> torch.optim.AdamW:
     oc = cfg.optimizer
-    opt = torch.optim.AdamW([p for _, p in params], lr=oc.lr, betas=tuple(oc.betas), eps=oc.eps,
-                            weight_decay=oc.weight_decay)
+    opt = torch.optim.AdamW([{"params": ps, "lr": lr} for ps, lr in _param_groups(cfg, params)], lr=oc.lr,
+                            betas=tuple(oc.betas), eps=oc.eps, weight_decay=oc.weight_decay)
     if state_in:
         tensors, meta = read_tensors(state_in)
         names = json.loads(meta["names"])
         if names != [n for n, _ in params]:
             raise ValueError(f"{state_in}: optimizer state was saved for different adapter parameters")
         dev = params[0][1].device if params else torch.device("cpu")
-        state = {i: {"step": tensors[f"{i}.step"], "exp_avg": tensors[f"{i}.exp_avg"].to(dev),
-                     "exp_avg_sq": tensors[f"{i}.exp_avg_sq"].to(dev)} for i in range(len(names))}
+        # the state's index i is params[i]; load_state_dict numbers the groups' parameters in group order
+        order = {id(p): i for i, (_, p) in enumerate(params)}
+        state = {j: {"step": tensors[f"{i}.step"], "exp_avg": tensors[f"{i}.exp_avg"].to(dev),
+                     "exp_avg_sq": tensors[f"{i}.exp_avg_sq"].to(dev)}
+                 for j, i in enumerate(order[id(p)] for g in opt.param_groups for p in g["params"])}
         sd = opt.state_dict()
         sd["state"] = state
         opt.load_state_dict(sd)
@@ -60,15 +76,16 @@ def _kept_optimizer(engine, cfg, params, state_in: str | None) -> torch.optim.Ad
         return None
     path, digest, opt = kept
     oc = cfg.optimizer
-    (group,) = opt.param_groups  # _optimizer makes one
     try:
         recorded = sidecar_digest(state_in)
     except ArtifactError:
         return None  # the reader below names what is wrong with the file
-    same = (str(Path(state_in).resolve()) == path and recorded == digest
-            and len(group["params"]) == len(params) and all(a is b for a, (_, b) in zip(group["params"], params))
-            and (group["lr"], tuple(group["betas"]), group["eps"], group["weight_decay"])
-            == (oc.lr, tuple(oc.betas), oc.eps, oc.weight_decay))
+    want = _param_groups(cfg, params)
+    same = (str(Path(state_in).resolve()) == path and recorded == digest and len(opt.param_groups) == len(want)
+            and all(len(g["params"]) == len(ps) and all(a is b for a, b in zip(g["params"], ps))
+                    and (g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"])
+                    == (lr, tuple(oc.betas), oc.eps, oc.weight_decay)
+                    for g, (ps, lr) in zip(opt.param_groups, want)))
     return opt if same else None
 
 

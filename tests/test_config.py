@@ -90,7 +90,7 @@ def test_mtp_with_prefix_caching_on_a_hybrid_is_rejected_before_any_model_loads(
     import subprocess
     import sys
 
-    vllm = {"sampler.kind": "vllm", "model.dtype": "bfloat16"}
+    vllm = {"sampler.kind": "vllm", "model.dtype": "bfloat16", "adapter.train_final_norm": False}
     with pytest.raises(ConfigError, match="rejected on a hybrid .*Turn one of them off"):
         load_config("tiny", {**vllm, "sampler.mtp_tokens": 2, "sampler.prefix_caching": True})
     assert load_config("tiny", {**vllm, "sampler.mtp_tokens": 2}).sampler.mtp_tokens == 2  # MTP alone: allowed
@@ -100,7 +100,7 @@ def test_mtp_with_prefix_caching_on_a_hybrid_is_rejected_before_any_model_loads(
                                  "model.arch.layer_types": ["full_attention"] * 4})
     assert not dense.model_is_hybrid()
     code = ("import sys; from configs.schema import load_config, ConfigError\n"
-            "try:\n load_config('tiny', {'sampler.kind': 'vllm', 'model.dtype': 'bfloat16', 'sampler.mtp_tokens': 1,"
+            "try:\n load_config('tiny', {'sampler.kind': 'vllm', 'model.dtype': 'bfloat16', 'adapter.train_final_norm': False, 'sampler.mtp_tokens': 1,"
             " 'sampler.prefix_caching': True})\nexcept ConfigError: pass\n"
             "assert not {'torch', 'vllm'} & set(sys.modules), 'the guard must not import torch or vllm'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=__file__.rsplit("/tests/", 1)[0])

@@ -180,3 +180,69 @@ def test_answer_text_shows_ids_the_tokenizer_lacks_and_drops_the_closing_eos(tin
     assert a == tok.decode(known[:2], skip_special_tokens=False) + f"<|id:{n + 7}|>" + \
         tok.decode(known[2:], skip_special_tokens=False)
     assert a != b and answer_text(tok, [n, n + 1], toks.eos) == f"<|id:{n}|><|id:{n + 1}|>"
+
+
+def test_train_final_norm_trains_exactly_the_final_norm_in_full(tiny):
+    """adapter.train_final_norm: the final RMSNorm's weight (and no other norm: every GDN layer has a gated `norm`)
+    is trained in full beside the adapter, as an FP32 master starting at the base's value; it is part of the saved
+    adapter state, and scaling it sharpens the output distribution (what a low-rank adapter under the norm cannot)."""
+    cfg, tok, toks, _, prefixes = tiny
+
+    def build(train: bool):
+        torch.manual_seed(1)
+        base = M.build_random_model(cfg.model.arch, len(tok), toks.pad, toks.eos, seed=0, dtype="bfloat16")
+        return base, M.attach_adapter(base, cfg.adapter.model_copy(update={"train_final_norm": train}))
+
+    base, on = build(True)
+    full = [(n, p) for n, p in on.named_parameters() if p.requires_grad and M.is_trained_module_param(n)]
+    assert [n for n, _ in full] == ["base_model.model.model.norm.modules_to_save.default.weight"]
+    (_, w), = full
+    assert w.dtype == torch.float32 and w.shape == (cfg.model.arch["hidden_size"],)
+    assert torch.equal(w, base.model.norm.original_module.weight.float())
+    assert all("lora_" in n for n, p in on.named_parameters() if p.requires_grad and not M.is_trained_module_param(n))
+    assert any("norm" in k and "lora" not in k for k in M.adapter_state(on))
+    _, off = build(False)
+    assert not any(M.is_trained_module_param(n) for n, _ in off.named_parameters())
+    assert len(M.adapter_state(on)) == len(M.adapter_state(off)) + 1
+
+    x = torch.tensor([prefixes[0]])
+    with torch.no_grad():
+        before = torch.log_softmax(on(input_ids=x).logits[0, -1].float(), -1)
+        w.add_(0.5)  # (1 + w) scales the normalized hidden state: larger logits, lower entropy
+        after = torch.log_softmax(on(input_ids=x).logits[0, -1].float(), -1)
+    entropy = lambda lp: float(-(lp.exp() * lp).sum())
+    assert entropy(after) < entropy(before)
+
+
+def test_final_norm_lr_has_its_own_adamw_group_and_the_state_reloads_in_parameter_order(tiny, tmp_path):
+    """AdamW keeps the adapter at optimizer.lr and the final norm at optimizer.final_norm_lr; the state written in the
+    parameters' order reloads onto the right parameter whatever the groups' order (bit for bit), and a config that
+    trains the norm with the vLLM sampler is refused at load."""
+    from artifacts import write_tensors
+    from configs.schema import ConfigError
+    from stages import optimize as O
+
+    cfg = load_config("tiny", {"adapter.train_final_norm": True, "optimizer.final_norm_lr": 0.02,
+                               "optimizer.lr": 0.002})
+    _, tok, toks, _, prefixes = tiny
+    torch.manual_seed(1)
+    model = M.attach_adapter(M.build_random_model(cfg.model.arch, len(tok), toks.pad, toks.eos, seed=0), cfg.adapter)
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = params[-1:] + params[:-1]  # the norm first: state index != position in the groups
+    assert M.is_trained_module_param(params[0][0])
+    opt = O._optimizer(cfg, params, None)
+    assert [(len(g["params"]), g["lr"]) for g in opt.param_groups] == [(len(params) - 1, 0.002), (1, 0.02)]
+    x = torch.tensor([prefixes[0]])
+    for _ in range(2):
+        opt.zero_grad()
+        model(input_ids=x).logits.float().pow(2).mean().backward()
+        opt.step()
+    tensors, meta = O._optimizer_tensors(opt, params)
+    write_tensors(tmp_path / "opt.safetensors", tensors, meta)
+    again = O._optimizer(cfg, params, str(tmp_path / "opt.safetensors"))
+    for _, p in params:
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(again.state[p][k].cpu(), opt.state[p][k].cpu()), k
+    assert [g["lr"] for g in again.param_groups] == [0.002, 0.02]
+    with pytest.raises(ConfigError, match="vLLM's LoRA"):
+        load_config("tiny", {"adapter.train_final_norm": True, "sampler.kind": "vllm", "model.dtype": "bfloat16"})

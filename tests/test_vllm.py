@@ -591,6 +591,7 @@ def test_pipeline_step_with_vllm_passes_parity_and_a_skipped_reload_fails_it(tmp
     runtime.clear()
     ckpt = _peaked_checkpoint(tmp_path)
     run_dir = make_run(tmp_path / "run", **{"sampler.kind": "vllm", "model.dtype": "bfloat16",
+                                             "adapter.train_final_norm": False,
                                              "model.source": "pretrained", "model.path": str(ckpt),
                                              "tokenizer.path": str(ckpt), "steps.pattern": ["fresh"],
                                              "bootstrap.enabled": False,

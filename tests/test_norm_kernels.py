@@ -45,7 +45,7 @@ def test_a_model_with_fused_norms_scores_and_backpropagates_like_transformers():
         def build(dtype):
             m = M.build_random_model(cfg.model.arch, V, 0, 1, seed=0, dtype=dtype)
             torch.manual_seed(1)
-            m = M.attach_adapter(m, cfg.adapter.model_copy(update={"type": "dora"}))
+            m = M.attach_adapter(m, cfg.adapter.model_copy(update={"type": "dora", "train_final_norm": False}))  # frozen norms: all fused
             with torch.no_grad():
                 for n, p in m.named_parameters():
                     if "lora_B" in n:

@@ -54,6 +54,7 @@ STEP_METRICS: tuple[StepMetric, ...] = (
     StepMetric("loss", "optimize", scalar="optim/loss", column="loss", fmt="{:+.4f}", line=True),
     StepMetric("grad_norm", "optimize", scalar="optim/grad_norm", column="grad norm", fmt="{:.3g}"),
     StepMetric("signal", "optimize"),
+    StepMetric("updated", "optimize"),  # False: no signal in the batch, so AdamW did not step (adapter unchanged)
     StepMetric("live_graph", "optimize"),
     StepMetric("optimizer_kept", "optimize"),  # with workers: one flag per worker
     StepMetric("one_pass", "optimize"),  # replay.one_pass: True when replay's gradients stood, False if re-forwarded

@@ -353,8 +353,9 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
         _check_gradients(cfg, step, gnorm, bad, signal)
         if cfg.optimizer.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_([p for _, p in params], cfg.optimizer.max_grad_norm)
-        engine.adapter_digest = None  # weights change below: nothing may trust the old digest
-        opt.step()
+        if signal:  # no signal: every loss weight is zero and AdamW would move the adapter on momentum alone
+            engine.adapter_digest = None  # weights change below: nothing may trust the old digest
+            opt.step()
         lap("update_s", sync=True)  # gradient gates, clipping, AdamW
         adapter_dir = rd.adapter(step)
         digest = write_adapter_dir(adapter_dir, M.adapter_config_dict(engine.model), M.adapter_state(engine.model))
@@ -362,12 +363,13 @@ def optimize(run_dir: str, step: int, rollouts_in: str, replay_in: str, old_repl
         tensors, meta = _optimizer_tensors(opt, params)
         opt_digest = write_tensors(rd.optimizer(step), tensors, meta)
         engine.kept_optimizer = (str(Path(rd.optimizer(step)).resolve()), opt_digest, opt)
-        metrics.update(grad_norm=gnorm, signal=signal, tokens=int(mask.sum()), rollouts=n_rows,
+        metrics.update(grad_norm=gnorm, signal=signal, updated=signal, tokens=int(mask.sum()), rollouts=n_rows,
                        thought_logq_gap_max=li.thought_gap)
         write_json(rd.loss(step), metrics)
         lap("write_s")  # adapter and optimizer state to the run directory (digests included)
         out.update(adapter=str(adapter_dir), adapter_digest=digest, optimizer=str(rd.optimizer(step)),
-                   loss=metrics["loss"], grad_norm=gnorm, signal=signal, thought_logq_gap_max=li.thought_gap)
+                   loss=metrics["loss"], grad_norm=gnorm, signal=signal, updated=signal,
+                   thought_logq_gap_max=li.thought_gap)
     return out
 
 
@@ -442,9 +444,9 @@ def backward_shard(run_dir: str, step: int, rollouts_in: str, replay_in: str, ad
     return {"grad_norm": gnorm, "bad": bad[:20], "live_graph": live is not None, "optimizer_kept": kept is not None}
 
 
-def step_shard(run_dir: str, step: int, write: bool) -> dict:
-    """AdamW on this worker's replica (the same update on every worker); the writer stores the adapter and the
-    optimizer state. Returns a digest of the updated adapter tensors: the driver checks the replicas agree bit for
+def step_shard(run_dir: str, step: int, write: bool, update: bool = True) -> dict:
+    """AdamW on this worker's replica (the same update on every worker; none when `update` is False: a batch
+    without signal); the writer stores the adapter and the optimizer state. Returns a digest of the updated adapter tensors: the driver checks the replicas agree bit for
     bit.
 
     When every replica's digest is the same, each worker labels its adapter with the digest of the written adapter
@@ -459,8 +461,9 @@ def step_shard(run_dir: str, step: int, write: bool) -> dict:
     engine, params, opt = _PENDING.pop((run_dir, step))
     if cfg.optimizer.max_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_([p for _, p in params], cfg.optimizer.max_grad_norm)
-    engine.adapter_digest = None  # the weights change: the next use_adapter reloads from the written adapter
-    opt.step()
+    if update:  # False when the batch carries no signal (optimize's rule)
+        engine.adapter_digest = None  # the weights change: the next use_adapter reloads from the written adapter
+        opt.step()
     state = M.adapter_state(engine.model)
     h = hashlib.sha256()
     for k in sorted(state):
@@ -525,15 +528,15 @@ def optimize_on_workers(run_dir: str, step: int, rollouts_in: str, replay_in: st
                                    f"{[r['grad_norm'] for r in res]}", {"step": step})
         _check_gradients(cfg, step, gnorm, res[0]["bad"], signal)
         steps = pool.call_all("stages.optimize.step_shard", lambda w: {"run_dir": run_dir, "step": step,
-                                                                      "write": w == 0})
+                                                                      "write": w == 0, "update": signal})
         digests = [s["replica_digest"] for s in steps]
         if len(set(digests)) != 1:
             raise gates.GateFailed("replica-agreement", f"step {step}: after the same AdamW update the adapter replicas "
                                    f"differ ({digests}): a worker computed another update", {"step": step})
-        metrics.update(grad_norm=gnorm, signal=signal, tokens=int(li.mask.sum()), rollouts=li.n_rows,
+        metrics.update(grad_norm=gnorm, signal=signal, updated=signal, tokens=int(li.mask.sum()), rollouts=li.n_rows,
                        thought_logq_gap_max=li.thought_gap, workers=len(res))
         write_json(rd.loss(step), metrics)
         out.update(adapter=str(rd.adapter(step)), adapter_digest=steps[0]["adapter_digest"],
                    optimizer=str(rd.optimizer(step)), loss=metrics["loss"], grad_norm=gnorm, signal=signal,
-                   thought_logq_gap_max=li.thought_gap, workers=len(res))
+                   updated=signal, thought_logq_gap_max=li.thought_gap, workers=len(res))
     return out

@@ -106,11 +106,13 @@ def _dequantize(mod) -> torch.Tensor:
 
 
 def _hf_name(module_name: str) -> str | None:
-    """PEFT module name -> HF name of the base weight's module; None for adapter parts."""
+    """PEFT module name -> HF name of the base weight's module; None for adapter parts (LoRA/DoRA tensors, and the
+    trained copy of a modules_to_save module: adapter.train_final_norm). The base copy a ModulesToSaveWrapper keeps
+    (`original_module`) is the base's tensor under the wrapped module's name."""
     parts = module_name.split(".")
-    if any(p.startswith("lora_") for p in parts):
+    if any(p.startswith("lora_") or p == "modules_to_save" for p in parts):
         return None
-    return ".".join(p for p in parts if p != "base_layer")
+    return ".".join(p for p in parts if p not in ("base_layer", "original_module"))
 
 
 def iter_bf16_state(model, dtype=torch.bfloat16):

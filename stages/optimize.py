@@ -95,6 +95,9 @@ def _optimizer_tensors(opt, params) -> tuple[dict, dict]:
     tensors = {}
     for i, (_, p) in enumerate(params):
         st = opt.state[p]
+        if not st:  # AdamW has not stepped yet (every step so far had no signal): its initial state, as torch makes it
+            st = {"step": torch.tensor(0.0, dtype=torch.float32), "exp_avg": torch.zeros_like(p),
+                  "exp_avg_sq": torch.zeros_like(p)}
         tensors[f"{i}.step"] = st["step"].detach().reshape(())
         tensors[f"{i}.exp_avg"] = st["exp_avg"].detach()
         tensors[f"{i}.exp_avg_sq"] = st["exp_avg_sq"].detach()

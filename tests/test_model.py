@@ -214,6 +214,27 @@ def test_train_final_norm_trains_exactly_the_final_norm_in_full(tiny):
     assert entropy(after) < entropy(before)
 
 
+def test_base_export_of_a_model_training_the_final_norm_has_the_plain_models_names(tiny):
+    """The export (engine.nf4.iter_bf16_state, what the sampler's base copy and load_state_into read) of a model whose
+    final norm PEFT wraps (modules_to_save) names the base's norm as the plain model does, with the base's value;
+    the trained copy is an adapter tensor and stays out. (At 27B on the H200 the wrapper's `original_module` name
+    broke the NF4 export: 'model has no tensor model.norm.original_module.weight'.)"""
+    from engine import nf4
+
+    cfg, tok, toks, _, _ = tiny
+    torch.manual_seed(1)
+    plain = M.build_random_model(cfg.model.arch, len(tok), toks.pad, toks.eos, seed=0)
+    want = {k: v.clone() for k, v in plain.state_dict().items()}
+    model = M.attach_adapter(M.build_random_model(cfg.model.arch, len(tok), toks.pad, toks.eos, seed=0),
+                             cfg.adapter.model_copy(update={"train_final_norm": True}))
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if M.is_trained_module_param(n)).add_(0.5)  # trained away
+    got = dict(nf4.iter_bf16_state(model, dtype=torch.float32))
+    assert set(got) == set(want) - {"lm_head.weight"}  # tied to the embeddings: once
+    assert all(torch.equal(got[k], want[k]) for k in got)
+    assert nf4.load_state_into(plain, got) == len(got)
+
+
 def test_final_norm_lr_has_its_own_adamw_group_and_the_state_reloads_in_parameter_order(tiny, tmp_path):
     """AdamW keeps the adapter at optimizer.lr and the final norm at optimizer.final_norm_lr; the state written in the
     parameters' order reloads onto the right parameter whatever the groups' order (bit for bit), and a config that

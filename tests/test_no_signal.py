@@ -64,3 +64,28 @@ def test_step_without_signal_keeps_adapter_and_optimizer(tmp_path, monkeypatch):
     o0, o1 = _tensors(str(rd.optimizer(0))), _tensors(str(rd.optimizer(1)))
     assert o1.keys() == o0.keys() and all(torch.equal(o1[k], o0[k]) for k in o0)
     assert read_json(rd.loss(1))["updated"] is False
+
+
+@pytest.mark.slow
+def test_first_step_without_signal_stores_adamws_initial_state(tmp_path, monkeypatch):
+    """No AdamW step yet: the stored state is the one torch starts from (step 0, zero moments), and the next step
+    starts from it."""
+    from artifacts import RunDir, read_json
+    from engine import runtime
+
+    runtime.clear()
+    monkeypatch.setenv(FLAT, "1")
+    run_dir = make_run(tmp_path / "run", **{"gym.reward_funcs": ["tests.test_no_signal:spread_or_flat"]})
+    rd = RunDir(run_dir)
+    init = read_json(f"{run_dir}/prepared.json")["adapter_init"]
+    s0 = fresh_step(run_dir, 0, init)
+    assert not s0["optimize"]["updated"]
+    o0 = _tensors(str(rd.optimizer(0)))
+    assert o0 and all(float(v.abs().max()) == 0.0 for v in o0.values())
+    a0, ai = _tensors(f"{rd.adapter(0)}/adapter_model.safetensors"), _tensors(f"{init}/adapter_model.safetensors")
+    assert all(torch.equal(a0[k], ai[k]) for k in ai)
+    monkeypatch.delenv(FLAT)
+    runtime.clear()  # read the stored state back (no AdamW kept in memory)
+    s1 = fresh_step(run_dir, 1, str(rd.adapter(0)))
+    assert s1["optimize"]["updated"] and not s1["optimize"]["optimizer_kept"]
+    assert all(float(v) == 1.0 for k, v in _tensors(str(rd.optimizer(1))).items() if k.endswith(".step"))

@@ -47,6 +47,7 @@ def length_reward(completions, **kwargs) -> list[float]:
 
 def project_overrides(run_dir: Path) -> dict:
     return {"run_dir": str(run_dir), "threads": 1, "bootstrap.episodes": 64, "gym.max_turns": 1,
+            "adapter.train_final_norm": False,  # TRL's arm trains the LoRA adapter only
             "latent.max_latent_steps": 0, "grpo.groups_per_step": GROUPS, "grpo.num_generations": GEN,
             "sampler.max_answer_tokens": MAX_TOKENS, "optimizer.lr": LR, "steps.pattern": ["fresh"],
             "gym.reward_funcs": ["bench.trl_compare:length_reward"], "gym.eval_tasks": 1,

@@ -449,8 +449,8 @@ def backward_shard(run_dir: str, step: int, rollouts_in: str, replay_in: str, ad
 
 def step_shard(run_dir: str, step: int, write: bool, update: bool = True) -> dict:
     """AdamW on this worker's replica (the same update on every worker; none when `update` is False: a batch
-    without signal); the writer stores the adapter and the optimizer state. Returns a digest of the updated adapter tensors: the driver checks the replicas agree bit for
-    bit.
+    without signal); the writer stores the adapter and the optimizer state. Returns a digest of the updated adapter
+    tensors: the driver checks the replicas agree bit for bit.
 
     When every replica's digest is the same, each worker labels its adapter with the digest of the written adapter
     and keeps its AdamW with the digest of the written state (gathered from the writer), as `optimize` does in one

@@ -4,12 +4,12 @@ the embedded default such a momentum-only step once dropped held-out success fro
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from tests.conftest import fresh_step, make_run
-
-import os
 
 FLAT = "LGRPO_TEST_FLAT_REWARDS"
 
@@ -23,9 +23,9 @@ def spread_or_flat(prompts, completions, gym_reward, **kwargs) -> list[float]:
 
 
 def _tensors(path: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    from artifacts import read_tensors
 
-    return load_file(path)
+    return read_tensors(path)[0]  # verified against its sidecar
 
 
 def test_adamw_moves_on_momentum_without_gradient():

@@ -43,6 +43,8 @@ def main(argv=None) -> dict:
     p.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3], help="which of the four parts to run")
     p.add_argument("--adapter-kernels", choices=["auto", "torch"], default="auto",
                    help="the LoRA/DoRA epilogue (engine/adapter_kernels.py): fused where qualified, or PyTorch's")
+    p.add_argument("--checkpoint-keeps", choices=["inputs", "matmuls"], default="inputs",
+                   help="replay.checkpoint_keeps: what the checkpoint tier keeps (matmuls: recompute skips the GEMMs)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
 
@@ -74,7 +76,7 @@ def main(argv=None) -> dict:
     res["adapter_kernels"] = adapter_kernels.install(a.adapter_kernels, dev)
     eng = Eng(model)
     d = arch["hidden_size"]
-    rc = ReplayConfig(keep_graph_tokens=0)  # every micro-batch in the checkpoint tier
+    rc = ReplayConfig(keep_graph_tokens=0, checkpoint_keeps=a.checkpoint_keeps)  # every micro-batch: checkpoint tier
     from engine.replay import TokenCosts
 
     eng._replay_costs = TokenCosts(30 * 2**20, 2**20, 2**20, "config")  # generous: no measuring probe per case
@@ -236,7 +238,8 @@ def attribute(fn, model, top: int, cuda: bool = True) -> dict:
 
     try:  # early stop would end a recompute by an exception, leaving its forward ranges open
         with set_checkpoint_early_stop(False), profile(
-                activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU] if cuda else [ProfilerActivity.CPU]) as prof:
+                activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU] if cuda else [ProfilerActivity.CPU],
+                record_shapes=True) as prof:
             fn()
     finally:
         for h in hooks:
@@ -262,6 +265,7 @@ def attribute(fn, model, top: int, cuda: bool = True) -> dict:
             if node is None and mod is not None:
                 fwd_module.setdefault(ev.sequence_nr, mod)
     by: dict = defaultdict(lambda: [0.0, 0])
+    shapes: dict = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))  # key -> input shapes/dtypes -> [us, calls]
     per_pass: dict = defaultdict(float)
     per_module: dict = defaultdict(float)
     total = 0.0
@@ -292,6 +296,9 @@ def attribute(fn, model, top: int, cuda: bool = True) -> dict:
         key = (kind, mod or "(outside)", ev.name)
         by[key][0] += us
         by[key][1] += len(ev.kernels) if cuda else 1
+        sig = str([list(x) for x in (ev.input_shapes or [])]) + " " + str(getattr(ev, "input_dtypes", "") or "")
+        shapes[key][sig][0] += us
+        shapes[key][sig][1] += 1
         per_pass[kind] += us
         per_module[(kind, mod or "(outside)")] += us
         total += us
@@ -300,7 +307,9 @@ def attribute(fn, model, top: int, cuda: bool = True) -> dict:
     return {"kernel_ms_attributed": round(total / 1e3, 1),
             "per_pass_ms": {k: round(v / 1e3, 1) for k, v in per_pass.items()},
             "per_module_ms": [{"pass": k[0], "module": k[1], "ms": round(v / 1e3, 2)} for k, v in top_mod],
-            "top_ops": [{"pass": k[0], "module": k[1], "op": k[2][:120], "ms": round(v[0] / 1e3, 2), "kernels": v[1]}
+            "top_ops": [{"pass": k[0], "module": k[1], "op": k[2][:120], "ms": round(v[0] / 1e3, 2), "kernels": v[1],
+                          "inputs": [{"shapes_dtypes": sig[:200], "ms": round(u[0] / 1e3, 2), "calls": u[1]}
+                                     for sig, u in sorted(shapes[k].items(), key=lambda kv: -kv[1][0])[:3]]}
                         for k, v in top_ops]}
 
 

@@ -5,8 +5,10 @@
 Per kernel and length, with the 27B head layout (16 key heads, 48 value heads, dims 128, qk l2-norm in kernel):
 relative L2 error of fla in BF16 and of the PyTorch reference in BF16, each against the PyTorch reference in FP32
 (output, final state, and for the chunk kernel every input gradient), the worst of them, and the median time
-(forward+backward for chunk, one step for recurrent) of fla and of the PyTorch reference. The causal conv1d runs
-PyTorch's F.conv1d (no causal_conv1d kernel is installed) and is timed only. Qualification rule: engine/gdn.py.
+(forward+backward for chunk and conv, one step for recurrent and conv_update) of fla and of the PyTorch reference.
+The causal conv1d (fla's Triton causal_conv1d against transformers' F.conv1d path) gets the same: errors of the
+output and the input and weight gradients, or of the output and the in-place updated state for one token.
+Qualification rule: engine/gdn.py.
 """
 
 from __future__ import annotations
@@ -72,20 +74,33 @@ def main(argv=None) -> dict:
                 row["torch_bf16_worst_rel_l2"] = max(row["torch_bf16_rel_l2"].values())
             res["rows"].append(row)
             torch.cuda.empty_cache()
-    # causal conv1d (PyTorch), sequence and one-token update
-    mq = gdn._mq()
-    conv_fn, upd_fn = gdn.reference("conv"), gdn.reference("conv_update")
+    # causal conv1d + SiLU: sequence (forward+backward, as replay runs it) and one-token update (in place)
+    conv_layout = {**layout, "w": 4}
     C = 2 * 16 * 128 + 48 * 128
     w = torch.randn(C, 4, device=dev, dtype=torch.bfloat16)
-    for T in a.tokens:
-        x = torch.randn(1, C, T, device=dev, dtype=torch.bfloat16)
-        res["rows"].append({"kernel": "conv", "T": T, "impl": "torch F.conv1d",
-                            "torch_ms": round(median_ms(lambda: conv_fn(x, w, None, activation="silu")), 3)})
-    st = torch.randn(4, C, 3, device=dev, dtype=torch.bfloat16)
-    x1 = torch.randn(4, C, 1, device=dev, dtype=torch.bfloat16)
-    res["rows"].append({"kernel": "conv_update", "T": 1, "B": 4, "impl": "torch",
-                        "torch_ms": round(median_ms(lambda: upd_fn(x1, st, w, None, "silu")), 3)})
-    del mq
+    for name, Ts in (("conv", a.tokens), ("conv_update", [1])):
+        for T in Ts:
+            row = {"kernel": name, "T": T}
+            if name in fla:
+                row.update(gdn.qualify_conv(name, fla[name], T, conv_layout, dev, seed=T))
+            B = 1 if name == "conv" else 4
+            x = torch.randn(B, T, C, device=dev, dtype=torch.bfloat16).requires_grad_(name == "conv")
+            st = torch.randn(B, C, 4, device=dev, dtype=torch.bfloat16)
+            for label, fn in (("torch", gdn.reference(name)), ("fla", fla.get(name))):
+                if fn is None:
+                    continue
+                if name == "conv":
+                    def call(fn=fn):
+                        fn(x.transpose(1, 2), w, None, activation="silu").float().sum().backward()
+                else:
+                    def call(fn=fn):
+                        fn(x.transpose(1, 2), st, w, None, "silu")
+                row[f"{label}_ms"] = round(median_ms(call), 3)
+            if "rel_l2" in row:
+                row["fla_worst_rel_l2"] = max(row["rel_l2"].values())
+                row["torch_bf16_worst_rel_l2"] = max(row["torch_bf16_rel_l2"].values())
+            res["rows"].append(row)
+            torch.cuda.empty_cache()
 
     print(f"\nGDN kernels on {res['versions'].get('gpu')} (torch {res['versions']['torch']}, triton "
           f"{res['versions'].get('triton')}, fla {res['versions'].get('fla-core')}, tilelang {res['versions'].get('tilelang')})")

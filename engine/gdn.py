@@ -7,7 +7,12 @@ the kernel's correctness there. fla 0.6.0 itself refuses its gated chunk backwar
 
     chunk        chunked gated delta rule, forward and backward (prefill, replay)   fla chunk_gated_delta_rule
     recurrent    one-token recurrent step (latent loop, decode)                      fla fused_recurrent_gated_delta_rule
-    conv         causal depthwise conv1d over a sequence / one-token update          PyTorch (no causal_conv1d kernel)
+    conv         causal depthwise conv1d + SiLU over a sequence, with backward       fla causal_conv1d (Triton)
+    conv_update  the same for one token against the layer's conv state (in place)   fla causal_conv1d_update
+
+The PyTorch conv runs F.conv1d on the (B, C, T) transpose of the projection's (B, T, C) output: a copy in, a
+generic depthwise kernel, the SiLU, and a (B, T, C) view of the result whose q/k/v heads need copies again; fla's
+conv reads the (B, T, C) layout through strides and writes it contiguous, so the head views that follow are free.
 
 `install(mode, device)` sets the functions the stock transformers modules call (module globals of
 transformers.models.qwen3_5.modeling_qwen3_5) to the PyTorch reference or to fla's kernel. A kernel is used only
@@ -85,8 +90,29 @@ def fla_functions() -> dict:
         call.__name__ = f"fla_{name}"
         return call
 
+    from fla.modules.causal_conv1d import causal_conv1d, causal_conv1d_update
+
+    def conv(hidden_states, weight, bias=None, activation=None, **kwargs):
+        """transformers' causal_conv1d_fn: (B, C, T) in and out (views of fla's (B, T, C)); kwargs ignored as the
+        reference ignores them."""
+        x = hidden_states.to(weight.dtype).transpose(1, 2)
+        y, _ = causal_conv1d(x, weight=weight, bias=bias, activation=activation)
+        return y.transpose(1, 2).to(hidden_states.dtype)
+
+    def conv_update(hidden_states, conv_state, weight, bias=None, activation=None):
+        """transformers' causal_conv1d_update for one token: (B, C, 1) in and out, conv_state (B, C, W) updated in
+        place. fla addresses the state as contiguous (and its input guard would copy a strided one, losing the
+        update), so any other layout or length runs the reference."""
+        if hidden_states.shape[-1] != 1 or not conv_state.is_contiguous() or conv_state.shape[-1] != weight.shape[-1]:
+            return reference("conv_update")(hidden_states, conv_state, weight, bias, activation)
+        y, _ = causal_conv1d_update(hidden_states[..., 0].to(weight.dtype), cache=conv_state, weight=weight,
+                                    bias=bias, activation=activation)
+        return y.unsqueeze(-1).to(hidden_states.dtype)
+
+    conv.__name__, conv_update.__name__ = "fla_conv", "fla_conv_update"
     return {"chunk": wrap(chunk_gated_delta_rule, "chunk"), "recurrent": wrap(fused_recurrent_gated_delta_rule,
-                                                                               "recurrent")}
+                                                                               "recurrent"),
+            "conv": conv, "conv_update": conv_update}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -156,6 +182,43 @@ def qualify_one(name: str, fn, T: int, layout: dict, device, seed: int = 0) -> d
     return {"kernel": name, "T": T, "passed": passed, "rel_l2": errs, "torch_bf16_rel_l2": torch_errs}
 
 
+def qualify_conv(name: str, fn, T: int, layout: dict, device, seed: int = 0) -> dict:
+    """qualify_one for the causal conv kernels: output (and for conv the input and weight gradients; for conv_update
+    the updated state) of `fn` and of the PyTorch reference in BF16 against the reference in FP32, on random inputs
+    of the model's layout: x as the (B, C, T) transpose of a (B, T, C) projection output, weight (C, W), SiLU."""
+    ref_fn = reference(name)
+    C, W = 2 * layout["hk"] * layout["dk"] + layout["hv"] * layout["dv"], layout["w"]
+    g = torch.Generator(device=device).manual_seed(seed)
+    B = 1 if name == "conv" else 4
+    x = torch.randn(B, T, C, device=device, generator=g)
+    w = torch.randn(C, W, device=device, generator=g) / W ** 0.5
+    st = torch.randn(B, C, W, device=device, generator=g)
+    cot = torch.randn(B, C, T, device=device, generator=g)
+
+    def run(f, dtype):
+        xs = x.to(dtype).detach().requires_grad_(name == "conv")
+        ws = w.to(dtype).detach().requires_grad_(name == "conv")
+        if name == "conv":
+            out = f(xs.transpose(1, 2), ws, None, activation="silu")
+            (out.float() * cot).sum().backward()
+            return {"o": out.detach().float(), "dx": xs.grad.float(), "dw": ws.grad.float()}
+        state = st.to(dtype, copy=True)  # a copy for every run: the kernels update it in place
+        out = f(xs.transpose(1, 2), state, ws, None, "silu")
+        return {"o": out.float(), "state": state.float()}
+
+    try:
+        ref = run(ref_fn, torch.float32)
+        tb = run(ref_fn, torch.bfloat16)
+        got = run(fn, torch.bfloat16)
+    except (RuntimeError, ValueError, AssertionError) as e:  # a kernel that refuses or fails to build
+        return {"kernel": name, "T": T, "passed": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    errs = {key: _rel(got[key], ref[key]) for key in ref}
+    torch_errs = {key: _rel(tb[key], ref[key]) for key in ref}
+    passed = all(errs[key] <= QUALIFY_REL_L2 and errs[key] <= QUALIFY_VS_TORCH * max(torch_errs[key], 1e-3)
+                 for key in errs)
+    return {"kernel": name, "T": T, "passed": passed, "rel_l2": errs, "torch_bf16_rel_l2": torch_errs}
+
+
 def _cache_file() -> Path:
     root = Path(os.environ.get("LGRPO_CACHE_DIR", Path.home() / ".cache" / "lgrpo"))
     return root / "gdn-qualification.json"
@@ -170,7 +233,9 @@ def qualify(layout: dict, device) -> dict[str, dict]:
         return cache[key]
     fns = fla_functions()
     result = {"chunk": qualify_one("chunk", fns["chunk"], 512, layout, device),
-              "recurrent": qualify_one("recurrent", fns["recurrent"], 1, layout, device)}
+              "recurrent": qualify_one("recurrent", fns["recurrent"], 1, layout, device),
+              "conv": qualify_conv("conv", fns["conv"], 512, layout, device),
+              "conv_update": qualify_conv("conv_update", fns["conv_update"], 1, layout, device)}
     cache[key] = result
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -185,7 +250,7 @@ def qualify(layout: dict, device) -> dict[str, dict]:
 
 def layout_of(config) -> dict:
     return {"hk": config.linear_num_key_heads, "hv": config.linear_num_value_heads,
-            "dk": config.linear_key_head_dim, "dv": config.linear_value_head_dim}
+            "dk": config.linear_key_head_dim, "dv": config.linear_value_head_dim, "w": config.linear_conv_kernel_dim}
 
 
 def _set(name: str, fn, label: str) -> None:
@@ -219,20 +284,20 @@ def install(mode: str, config, device) -> dict[str, str]:
     reasons: dict[str, str] = {}
     if mode != "torch":
         if device.type != "cuda":
-            reasons = {k: "no CUDA device (fla's kernels are Triton)" for k in ("chunk", "recurrent")}
+            reasons = {k: "no CUDA device (fla's kernels are Triton)" for k in GLOBALS}
         else:
             try:
                 fns = fla_functions()
             except ImportError as e:
-                reasons = {k: f"fla is not installed ({e}); pip install 'latent-grpo[gpu]'" for k in ("chunk", "recurrent")}
+                reasons = {k: f"fla is not installed ({e}); pip install 'latent-grpo[gpu]'" for k in GLOBALS}
             if fns:
                 q = qualify(layout_of(config), device)
-                for k in ("chunk", "recurrent"):
+                for k in GLOBALS:
                     if q[k]["passed"]:
                         chosen[k] = "fla"
                     else:
                         reasons[k] = q[k].get("error") or f"errors {q[k]['rel_l2']} vs the FP32 reference"
-    if mode == "fla" and any(chosen[k] != "fla" for k in ("chunk", "recurrent")):
+    if mode == "fla" and any(chosen[k] != "fla" for k in GLOBALS):
         raise RuntimeError("model.gdn_kernels=fla, but fla's kernels do not qualify here: "
                            + "; ".join(f"{k}: {r}" for k, r in reasons.items())
                            + ". Set model.gdn_kernels: auto (or torch), or install a working fla (+ tilelang on Hopper)")

@@ -9,6 +9,7 @@ per run is appended to `--out`.
 
     python bench/learning_sweep.py --base-from runs/tiny --name default --seeds 0 1 2
     python bench/learning_sweep.py --base-from runs/tiny --name lr5e-3 --seeds 0 1 2 --set optimizer.lr=5e-3
+    python bench/learning_sweep.py --same-base-as runs/tiny --name k0-grpo --seeds 0 1 2 --set latent.max_latent_steps=0
     python bench/learning_sweep.py --table runs/sweep/results.jsonl   # the Markdown table of all runs so far
     python bench/learning_sweep.py --base-from runs/tiny --name long --seeds 0 --eval-every 40 --set steps.total=160
 """
@@ -90,8 +91,23 @@ def run_steps(run_dir: str, steps: int, eval_every: int = 0, evaluate_at=None) -
     return out
 
 
+def install_same_base(src: Path, rd, cfg) -> None:
+    """Use the bootstrapped base of the prepared run `src` as this run's base, whatever this run's settings would
+    bootstrap (an ablation of a GRPO-time setting from one base: `--same-base-as`). The base is copied under the name
+    this run looks for; its files are verified on load as every artifact is."""
+    from artifacts import read_json
+    from stages.bootstrap import bootstrap_key
+
+    prep = read_json(src / "prepared.json")
+    copy_prepared(src, rd.root)  # the tokenizer (and src's own bootstrap directory, unused under another name)
+    tok = rd.root / "tokenizer" / Path(prep["tokenizer"]).name
+    target = rd.bootstrap_dir(bootstrap_key(cfg, str(tok)))
+    if not target.exists():
+        shutil.copytree(src / "bootstrap" / Path(prep["base"]).name, target)  # recorded paths may be relative
+
+
 def one_run(preset: str, name: str, seed: int, overrides: dict, base_from: Path | None, root: Path,
-            eval_every: int = 0) -> dict:
+            eval_every: int = 0, same_base_as: Path | None = None) -> dict:
     from artifacts import read_json
     from configs.schema import load_config
     from stages.evaluate import evaluate
@@ -103,7 +119,9 @@ def one_run(preset: str, name: str, seed: int, overrides: dict, base_from: Path 
         shutil.rmtree(run_dir)
     cfg = load_config(preset, {"threads": 1, **overrides, "seed": seed, "run_dir": str(run_dir)})
     rd = init_run_dir(cfg)
-    if base_from is not None:
+    if same_base_as is not None:
+        install_same_base(same_base_as, rd, cfg)
+    elif base_from is not None:
         copy_prepared(base_from, rd.root)
     t0 = time.time()
     prep = prepare_run(str(rd.root))
@@ -168,6 +186,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--base-from", default=None, help="a prepared run dir whose tokenizer/bootstrap caches to reuse")
+    ap.add_argument("--same-base-as", default=None,
+                    help="a prepared run dir whose bootstrapped base this setting starts from even where its own "
+                         "settings would bootstrap another (e.g. thoughts off in GRPO only)")
     ap.add_argument("--root", default="runs/sweep")
     ap.add_argument("--out", default="runs/sweep/results.jsonl")
     ap.add_argument("--eval-every", type=int, default=0,
@@ -184,7 +205,7 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     for seed in args.seeds:
         rec = one_run(args.config, args.name, seed, overrides, Path(args.base_from) if args.base_from else None, root,
-                      args.eval_every)
+                      args.eval_every, Path(args.same_base_as) if args.same_base_as else None)
         with open(args.out, "a") as f:
             f.write(json.dumps(rec) + "\n")
         print(f"{rec['name']} seed {seed}: held-out success {rec['heldout_success_before']:.3f} -> "

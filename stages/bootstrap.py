@@ -71,6 +71,13 @@ def _turn_examples(episodes: list[dict], tok, tools: list[dict] | None = None) -
     return ex
 
 
+def bootstrap_key(cfg, tok_dir: str) -> str:
+    """The directory name of a run's bootstrapped base: a hash of the settings the bootstrap depends on and of the
+    tokenizer."""
+    return (config_hash(preparation_config(cfg), "model", "bootstrap", "latent", "gym", "tokenizer")[:12] + "-"
+            + dir_digest(tok_dir)[:8])
+
+
 def bootstrap_base(run_dir: str, tok_dir: str) -> dict:
     """The base model GRPO starts from: a random-init tiny hybrid, fine-tuned on oracle trajectories.
 
@@ -103,8 +110,7 @@ def bootstrap_base(run_dir: str, tok_dir: str) -> dict:
                        files=len(record["files"]), files_hashed=len(record["hashed"]))
             return out
         tok = tokenizer(tok_dir)
-        key = (config_hash(preparation_config(cfg), "model", "bootstrap", "latent", "gym", "tokenizer")[:12] + "-"
-               + dir_digest(tok_dir)[:8])
+        key = bootstrap_key(cfg, tok_dir)
         target = RunDir(run_dir).bootstrap_dir(key)
         if target.exists():
             dir_digest(target)

@@ -2,7 +2,8 @@
 
 When PREFECT_API_URL is unset, Prefect starts a temporary API server for the process (`SubprocessASGIServer`) that
 outlives a SIGKILLed parent (one ~200 MB orphan per killed run). `lgrpo train` / `lgrpo rerun` instead start the
-same app (Prefect's `create_app`, UI off, as the temporary server runs it) here, in a child that
+same app (Prefect's `create_app`, UI off, as the temporary server runs it; a 503 for a locked SQLite database asks
+for a short retry, see RetrySoonWhenLocked) here, in a child that
 
 * asks the kernel for a signal when its parent dies (Linux PR_SET_PDEATHSIG), and also watches its parent pid
   (any POSIX), so it stops, and removes its scratch folder, whatever kills the run;
@@ -75,6 +76,53 @@ def listening_socket():
     return sock
 
 
+class RetrySoonWhenLocked:
+    """ASGI middleware: a 503 from Prefect's server gets a short, escalating `Retry-After`.
+
+    Prefect's server answers 503 when SQLite reports the database locked (SQLITE_BUSY / SQLITE_BUSY_SNAPSHOT): most
+    often its own event persister committed a batch of events between a request's read and its write. Prefect's
+    client then waits 2**attempt seconds (about 2 s for the first retry) unless the response says `Retry-After`.
+    Here that was one 2-s stall every 5-30 step flows (bench/trl_compare.py), for a conflict that clears as soon as
+    the other write commits. So a 503 after a successful response asks for a retry after `first` seconds, and each
+    further 503 before the next success for `factor` times longer (0.05, 0.2, 0.8, 3.2, 12.8 s: a lock that lasts
+    still gets the client's retries spread over ~17 s). A 503 that already names a Retry-After is left as it is."""
+
+    def __init__(self, app, first: float = 0.05, factor: float = 4.0, cap: float = 30.0):
+        self.app, self.first, self.factor, self.cap = app, first, factor, cap
+        self.streak = 0  # 503s since the last other response
+
+    def delay(self) -> float:
+        d = min(self.cap, self.first * self.factor ** self.streak)
+        self.streak += 1
+        return d
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_retry_after(message):
+            if message["type"] == "http.response.start":
+                if message["status"] == 503:
+                    headers = list(message.get("headers", []))
+                    if not any(k.lower() == b"retry-after" for k, _ in headers):
+                        headers.append((b"retry-after", f"{self.delay():.3f}".encode()))
+                        message = {**message, "headers": headers}
+                else:
+                    self.streak = 0
+            await send(message)
+
+        return await self.app(scope, receive, send_with_retry_after)
+
+
+def create_app():
+    """Prefect's API app (`prefect.server.api.server.create_app`, as its temporary server runs it) behind
+    RetrySoonWhenLocked (`LGRPO_API_RETRY_SOON=0`: Prefect's app alone, for bench/subflow_overhead.py)."""
+    from prefect.server.api.server import create_app as prefect_app
+
+    app = prefect_app()
+    return app if os.environ.get("LGRPO_API_RETRY_SOON", "1") == "0" else RetrySoonWhenLocked(app)
+
+
 def serve(parent_pid: int, port_file: Path) -> int:
     import uvicorn
     from prefect.settings import get_current_settings
@@ -83,7 +131,7 @@ def serve(parent_pid: int, port_file: Path) -> int:
 
     sock = listening_socket()
     port = sock.getsockname()[1]
-    config = uvicorn.Config("prefect.server.api.server:create_app", factory=True, host="127.0.0.1", port=port,
+    config = uvicorn.Config("flows.api_server:create_app", factory=True, host="127.0.0.1", port=port,
                             log_level="error", lifespan="on")
     server = uvicorn.Server(config)
 

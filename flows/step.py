@@ -28,13 +28,39 @@ Stage = Literal["export", "sample-tasks", "generate-turn", "run-gym", "collect-r
 @contextmanager
 def step_flows():
     """The `grpo-step` flow as the train and rerun flows run it, for all of a run's steps (one context: building
-    settings costs ~0.1 s): without a heartbeat thread of its own. The run's top flow keeps Prefect's heartbeat
-    (crash detection); a step flow's own thread sleeps in 1-s slices and Prefect joins it when the flow ends, which
-    cost up to a second of every step (bench/trl_compare.py measures what is left)."""
+    settings costs ~0.1 s): without a heartbeat thread of its own, and with one async API client for all of them
+    (shared_async_client). The run's top flow keeps Prefect's heartbeat (crash detection); a step
+    flow's own thread sleeps in 1-s slices and Prefect joins it when the flow ends, which cost up to a second of
+    every step (bench/trl_compare.py measures what is left)."""
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
-    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}), shared_async_client():
         yield grpo_step
+
+
+@contextmanager
+def shared_async_client():
+    """One async Prefect client for every step flow started inside (each is a subflow of the run's top flow).
+
+    Prefect records a subflow in its parent through a tracking task run that `Task.create_run` creates with
+    `get_client()`; outside an `AsyncClientContext` that builds a new client each time, and a new client builds a TLS
+    context from certifi's CA bundle (~20 ms here, for a plain-HTTP local server too) and opens a new connection:
+    about a tenth of a small step (bench/trl_compare.py). Here the client is started once on Prefect's run-sync loop
+    (where that coroutine runs) and published through `AsyncClientContext` in this thread; Prefect's calls copy this
+    thread's context, so `get_client()` finds it. Closed at the end; a no-op inside an existing context."""
+    from prefect.context import AsyncClientContext
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    if AsyncClientContext.get() is not None:
+        yield
+        return
+    ctx = AsyncClientContext()  # the client, not started yet
+    run_coro_as_sync(ctx.client.__aenter__())
+    try:
+        with ctx:  # the context variable, set in this thread
+            yield
+    finally:
+        run_coro_as_sync(ctx.client.__aexit__(None, None, None))
 
 
 def probe_due(cfg, step: int) -> bool:

@@ -55,18 +55,52 @@ def user_code_digest(run_dir: str) -> str:
         module = path.partition(":")[0] if ":" in path else None
         spec = importlib.util.find_spec(module) if module else None
         if spec is not None and spec.origin and Path(spec.origin).is_file():
-            h.update(path.encode() + b"\0" + Path(spec.origin).read_bytes())
+            h.update(path.encode() + b"\0" + _file_digest(spec.origin))
     return h.hexdigest()
+
+
+_FILE_DIGESTS: dict[str, tuple[tuple, bytes]] = {}
+
+
+def _file_digest(path: str) -> bytes:
+    """sha256 of a source file, remembered while it keeps its inode, size, mtime and ctime (every task's cache key
+    asks for the same few user files)."""
+    import os
+
+    st = os.stat(path)
+    sig = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    hit = _FILE_DIGESTS.get(path)
+    if hit is not None and hit[0] == sig:
+        return hit[1]
+    digest = hashlib.sha256(Path(path).read_bytes()).digest()
+    if os.stat(path).st_mtime_ns == st.st_mtime_ns:  # not written while it was read
+        _FILE_DIGESTS[path] = (sig, digest)
+    return digest
+
+
+_RUN_IDS: dict[str, str] = {}
+
+
+def run_id(run_dir: str) -> str:
+    """The run's id from run.json, verified (artifacts.verified_digest remembers the check while the file keeps its
+    stat signature, so the cache key of every task does not hash and parse it again)."""
+    from artifacts import verified_digest
+
+    p = RunDir(run_dir).run_info()
+    digest = verified_digest(p)
+    if digest not in _RUN_IDS:
+        _RUN_IDS[digest] = read_json(p)["run_id"]
+    return _RUN_IDS[digest]
 
 
 def artifact_cache_key(ctx, parameters: dict[str, Any]) -> str:
     """Hash of the run id, the stage code (project and user), plain parameters and the contents of every `*_in`
     artifact."""
     run_dir = parameters.get("run_dir")
-    run_id = read_json(RunDir(run_dir).run_info())["run_id"] if run_dir else ""
+    run = run_id(run_dir) if run_dir else ""
     user = user_code_digest(run_dir) if run_dir else ""
     keyed = {k: (_content(v) if k.endswith("_in") else v) for k, v in sorted(parameters.items())}
-    blob = json.dumps({"run": run_id, "code": code_digest(), "user": user, "task": ctx.task.name, "params": keyed},
+    blob = json.dumps({"run": run, "code": code_digest(), "user": user, "task": ctx.task.name, "params": keyed},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 

@@ -42,3 +42,90 @@ def test_the_server_answers_repeated_requests_on_one_kept_alive_connection(monke
     with api_server() as url, httpx.Client() as client:
         codes = [client.get(url + "/health").status_code for _ in range(5)]
     assert codes == [200] * 5
+
+
+def _statuses_app(statuses: list[int], retry_after: dict[int, bytes] | None = None):
+    """A minimal ASGI app answering the given statuses in turn (a 503 the way Prefect's server sends one for a locked
+    SQLite database), optionally with its own Retry-After on some of them."""
+    calls = iter(range(len(statuses)))
+
+    async def app(scope, receive, send):
+        i = next(calls)
+        headers = [(b"content-type", b"application/json")]
+        if retry_after and i in retry_after:
+            headers.append((b"retry-after", retry_after[i]))
+        await send({"type": "http.response.start", "status": statuses[i], "headers": headers})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    return app
+
+
+def _retry_afters(app, n: int) -> list[str | None]:
+    import asyncio
+
+    out = []
+
+    async def one():
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        await app({"type": "http", "method": "POST", "path": "/api/task_runs/", "headers": []}, receive, send)
+        start = sent[0]
+        values = [v.decode() for k, v in start["headers"] if k.lower() == b"retry-after"]
+        assert len(values) <= 1
+        out.append(values[0] if values else None)
+
+    for _ in range(n):
+        asyncio.run(one())
+    return out
+
+
+def test_a_503_asks_for_a_short_retry_that_grows_until_a_request_succeeds():
+    """Prefect's client waits 2**attempt s after a 503 unless told otherwise; a locked SQLite database (the server's
+    event persister committing between a request's read and write) clears within milliseconds."""
+    from flows.api_server import RetrySoonWhenLocked
+
+    app = RetrySoonWhenLocked(_statuses_app([503, 503, 503, 200, 503, 201, 200]))
+    assert _retry_afters(app, 7) == ["0.050", "0.200", "0.800", None, "0.050", None, None]
+
+
+def test_a_503_that_names_its_own_retry_after_is_left_alone():
+    from flows.api_server import RetrySoonWhenLocked
+
+    app = RetrySoonWhenLocked(_statuses_app([503, 503], retry_after={0: b"7"}))
+    assert _retry_afters(app, 2) == ["7", "0.050"]
+
+
+def test_prefects_client_retries_after_the_short_delay(monkeypatch):
+    """End to end with Prefect's own HTTP client (its retry loop, jitter included): the retry after a 503 from the
+    run's server sleeps ~0.05 s, not Prefect's default 2 s; without the middleware it sleeps >= 1 s."""
+    import asyncio
+
+    import anyio
+    import httpx
+    from prefect.client.base import PrefectHttpxAsyncClient
+
+    from flows.api_server import RetrySoonWhenLocked
+
+    slept = []
+
+    async def fake_sleep(seconds):
+        slept.append(seconds)
+
+    monkeypatch.setattr(anyio, "sleep", fake_sleep)
+
+    async def get(app) -> int:
+        async with PrefectHttpxAsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                           enable_csrf_support=False) as client:
+            return (await client.get("/api/health")).status_code
+
+    assert asyncio.run(get(RetrySoonWhenLocked(_statuses_app([503, 200])))) == 200
+    assert len(slept) == 1 and 0.05 <= slept[0] <= 0.05 * 1.5
+    slept.clear()
+    assert asyncio.run(get(_statuses_app([503, 200]))) == 200
+    assert len(slept) == 1 and slept[0] >= 1.0

@@ -343,3 +343,79 @@ def test_a_cached_stage_whose_artifact_was_corrupted_is_named_and_runs_again(pre
     assert "replay" not in cached and "optimize" in cached, cached
     assert any(str(replay) in m and "corrupted" in m for m in seen), seen
     assert verify(replay) == before
+
+
+def test_step_flows_share_one_async_client_and_stay_subflows_of_the_run(prefect_harness, monkeypatch):
+    """Prefect creates each subflow's tracking task run with get_client(); outside an AsyncClientContext that is a new
+    client (a TLS context from certifi's CA bundle, ~20 ms, and a new connection) per step. Inside step_flows()
+    every step flow uses one client, and each is still recorded as a subflow of the run's flow (the UI's nesting)."""
+    from prefect import flow
+    from prefect.client.orchestration import PrefectClient, get_client
+
+    from flows.step import shared_async_client
+
+    made = []
+    init = PrefectClient.__init__
+
+    def counting_init(self, *a, **k):
+        made.append(self)
+        init(self, *a, **k)
+
+    monkeypatch.setattr(PrefectClient, "__init__", counting_init)
+
+    @flow(name="lgrpo-test-step")
+    def step(i: int) -> int:
+        return i
+
+    @flow(name="lgrpo-test-run")
+    def run(shared: bool):
+        from contextlib import nullcontext
+
+        from prefect.runtime import flow_run
+
+        with shared_async_client() if shared else nullcontext():
+            before = len(made)
+            states = [step(i, return_state=True) for i in range(3)]
+            return flow_run.id, len(made) - before, [s.state_details.flow_run_id for s in states]
+
+    parent, new_clients, children = run(True)
+    assert new_clients == 0, new_clients
+    _, new_default, _ = run(False)
+    assert new_default >= 3, new_default  # Prefect's default: one client per subflow
+
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    async def parents():
+        async with get_client() as client:
+            out = []
+            for child in children:
+                fr = await client.read_flow_run(child)
+                tr = await client.read_task_run(fr.parent_task_run_id)
+                out.append(str(tr.flow_run_id))
+            return out
+
+    assert run_coro_as_sync(parents()) == [str(parent)] * 3
+
+
+def test_the_run_step_flows_post_their_artifacts_linked_to_each_step_flow_run(prefect_harness, tmp_path):
+    """Inside step_flows() (one shared async client, no heartbeat threads) each step's timing and metrics artifacts
+    belong to its own step flow run."""
+    from prefect import flow, get_client
+
+    from flows.step import step_flows
+
+    run_dir = make_run(tmp_path / "run", **{"steps.pattern": ["fresh", "reuse"]})
+
+    @flow(name="lgrpo-test-steps")
+    def steps():
+        with step_flows() as step_flow:
+            return [str(step_flow(run_dir, s, return_state=True).state_details.flow_run_id) for s in range(2)]
+
+    runs = steps()
+    with get_client(sync_client=True) as client:
+        arts = [a for a in client.read_artifacts() if a.key and a.key.startswith(("step-0000-", "step-0001-"))
+                and str(a.flow_run_id) in runs]
+    by_key = {a.key: str(a.flow_run_id) for a in arts}
+    assert by_key == {"step-0000-timings": runs[0], "step-0000-metrics": runs[0],
+                      "step-0001-timings": runs[1], "step-0001-metrics": runs[1]}, by_key
+

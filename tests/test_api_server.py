@@ -129,3 +129,16 @@ def test_prefects_client_retries_after_the_short_delay(monkeypatch):
     slept.clear()
     assert asyncio.run(get(_statuses_app([503, 200]))) == 200
     assert len(slept) == 1 and slept[0] >= 1.0
+
+
+def test_the_server_runs_on_uvloop_and_httptools_and_asyncio_can_be_forced(monkeypatch):
+    import importlib.util
+
+    from flows.api_server import server_loop
+
+    monkeypatch.delenv("LGRPO_API_LOOP", raising=False)
+    # both are project dependencies (pyproject.toml); the fallback exists for platforms without uvloop
+    assert importlib.util.find_spec("uvloop") is not None and importlib.util.find_spec("httptools") is not None
+    assert server_loop() == ("uvloop", "httptools")
+    monkeypatch.setenv("LGRPO_API_LOOP", "asyncio")
+    assert server_loop() == ("asyncio", "h11")

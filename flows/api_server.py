@@ -124,18 +124,13 @@ def create_app():
 
 
 def server_loop() -> tuple[str, str]:
-    """uvicorn's event loop and HTTP parser for the run's server: uvloop and httptools (project dependencies) where
-    they import, else asyncio and h11 (`LGRPO_API_LOOP=asyncio` forces those, for bench/subflow_overhead.py).
+    """uvicorn's event loop and HTTP parser for the run's server: its "auto" (uvloop and httptools, project
+    dependencies, where they import) unless `LGRPO_API_LOOP=asyncio` forces asyncio and h11 (bench/subflow_overhead.py).
 
     Every request of a step flow waits on this one loop: Prefect's handlers hop to aiosqlite's thread and back for
     each SQL statement, and the loop also runs the server's services (task-run recorder, event persister). On uvloop
     an empty step subflow took a median 0.098 s against 0.107 s on asyncio (bench/subflow_overhead.py, 2-core machine)."""
-    import importlib.util
-
-    if os.environ.get("LGRPO_API_LOOP", "auto") == "asyncio":
-        return "asyncio", "h11"
-    fast = all(importlib.util.find_spec(m) is not None for m in ("uvloop", "httptools"))
-    return ("uvloop", "httptools") if fast else ("asyncio", "h11")
+    return ("asyncio", "h11") if os.environ.get("LGRPO_API_LOOP", "auto") == "asyncio" else ("auto", "auto")
 
 
 def serve(parent_pid: int, port_file: Path) -> int:

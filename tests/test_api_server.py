@@ -132,13 +132,20 @@ def test_prefects_client_retries_after_the_short_delay(monkeypatch):
 
 
 def test_the_server_runs_on_uvloop_and_httptools_and_asyncio_can_be_forced(monkeypatch):
-    import importlib.util
+    from uvicorn.loops.auto import auto_loop_factory
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     from flows.api_server import server_loop
 
     monkeypatch.delenv("LGRPO_API_LOOP", raising=False)
-    # both are project dependencies (pyproject.toml); the fallback exists for platforms without uvloop
-    assert importlib.util.find_spec("uvloop") is not None and importlib.util.find_spec("httptools") is not None
-    assert server_loop() == ("uvloop", "httptools")
+    assert server_loop() == ("auto", "auto")
+    # uvicorn's "auto" resolves to uvloop and httptools: both are project dependencies (pyproject.toml)
+    loop = auto_loop_factory()()
+    try:
+        assert type(loop).__module__.startswith("uvloop")
+    finally:
+        loop.close()
+    assert AutoHTTPProtocol is HttpToolsProtocol
     monkeypatch.setenv("LGRPO_API_LOOP", "asyncio")
     assert server_loop() == ("asyncio", "h11")

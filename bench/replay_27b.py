@@ -14,9 +14,13 @@ two-pass micro-batches re-forwarded and checked bit for bit).
    only: the same again (no weight-gradient matmuls; LoRA's are negligible); checkpointing and two-pass re-run the
    forward, which is counted as time, not as useful FLOPs. Peak rate: 989 TFLOP/s (H200 dense BF16).
 2. Recipe shapes ROWSxTURNS (3,072-token prompt, each turn adds 64 answer + 128 tool tokens): the preflight's plan
-   (tiers, estimated peak from token costs measured on this GPU) against the peak measured while the plan runs.
+   (tiers, estimated peak from token costs measured on this GPU) against the peak measured while the plan runs;
+   with --share-prefix off on, replayed per turn and over shared prefixes (engine/shared_replay.py) side by side:
+   tokens/s counts the turns' tokens in both (the work a step asks for), forwarded_tokens what each path ran.
 3. Gradient equivalence at the 27B width with --gradcheck-layers layers: BF16 base + FP32 masters through the
-   pipeline (every tier) against the same weights in FP32 through PEFT's forward (gate: relative L2 <= 0.002).
+   pipeline (every tier, and prefix-shared) against the same weights in FP32 through PEFT's forward (gate: relative
+   L2 <= 0.002); and the prefix-shared path in FP32 (the chosen GDN kernels continuing from states with gradients)
+   against that reference, where only the chunking differs.
 """
 
 from __future__ import annotations
@@ -54,6 +58,29 @@ def make_turns(lengths_prefix: list[int], K: int, L: int, d: int, vocab: int, sc
     answers = [torch.randint(4, vocab, (L,), generator=g).tolist() for _ in lengths_prefix]
     thoughts = [torch.randn(K, d, generator=g) * scale for _ in lengths_prefix]
     return Turns(prefixes, thoughts, answers, list(range(len(lengths_prefix))))
+
+
+def make_episodes(rows: int, n_turns: int, K: int, L: int, d: int, vocab: int, scale: float, seed: int,
+                  prompt: int = 3072, obs: int = 128):
+    """A recipe-shaped group as the gym stores it: the rows share the prompt; each row's turn t+1 prefix is its turn-t
+    prefix plus its own answer (L tokens) and tool observation (obs tokens). Turns in (turn, row) order."""
+    import torch
+
+    from engine.replay import Turns
+
+    g = torch.Generator().manual_seed(seed)
+    c0 = torch.randint(4, vocab, (prompt,), generator=g).tolist()
+    ctx = [list(c0) for _ in range(rows)]
+    P, Z, A, R = [], [], [], []
+    for _ in range(n_turns):
+        for r in range(rows):
+            a = torch.randint(4, vocab, (L,), generator=g).tolist()
+            P.append(list(ctx[r]))
+            Z.append(torch.randn(K, d, generator=g) * scale)
+            A.append(a)
+            R.append(r)
+            ctx[r] += a + torch.randint(4, vocab, (obs,), generator=g).tolist()
+    return Turns(P, Z, A, R)
 
 
 def flops(arch: dict, model, T: int, L: int) -> float:
@@ -134,6 +161,9 @@ def main(argv=None) -> dict:
                         "transformers' expressions); several: side by side")
     p.add_argument("--checkpoint-keeps", nargs="+", choices=["inputs", "matmuls"], default=["inputs"],
                    help="replay.checkpoint_keeps of the checkpoint and two-pass tiers in part 1; several: side by side")
+    p.add_argument("--share-prefix", nargs="+", choices=["off", "on"], default=["off"],
+                   help="replay.share_prefix of part 2 (engine/shared_replay.py); both: side by side, with the "
+                        "gradients' relative L2 between them")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
 
@@ -236,22 +266,40 @@ def main(argv=None) -> dict:
     NK.install(a.norm_kernels[0], dev)
     eng._replay_costs = costs["inputs"]
     res["shapes"] = []
+    params = [p_ for p_ in model.parameters() if p_.requires_grad]
     for shape in a.shapes:
         rows, n_turns = map(int, shape.split("x"))
-        prefix = [3072 + t * (64 + 128) for t in range(n_turns) for _ in range(rows)]
-        turns = make_turns(prefix, 16, 64, d, vocab, eng.scale, rows)
-        row = {"shape": shape, "rows": rows, "turns": n_turns}
-        try:
-            r = run_plan(eng, turns, ReplayConfig())
-            est = r["plan"].get("est_peak_gb")
-            row.update(r, tokens_per_s=round(r["tokens"] / r["total_s"], 1),
-                       est_vs_measured=None if est is None else round(est / r["peak_gb"], 3))
-        except (ReplayMemoryError, torch.OutOfMemoryError) as e:
-            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-        gc.collect()
-        torch.cuda.empty_cache()
-        res["shapes"].append(row)
-        print(json.dumps(row), flush=True)
+        turns = make_episodes(rows, n_turns, 16, 64, d, vocab, eng.scale, rows)
+        grads = {}
+        for share in a.share_prefix:
+            row = {"shape": shape, "rows": rows, "turns": n_turns, "share_prefix": share}
+            rc = ReplayConfig(share_prefix=share == "on")
+            try:
+                for p_ in params:
+                    p_.grad = None
+                if len(a.share_prefix) > 1:  # side by side: a warm-up run first (autotuning, allocator)
+                    run_plan(eng, turns, rc)
+                    for p_ in params:
+                        p_.grad = None
+                r = run_plan(eng, turns, rc)
+                grads[share] = [p_.grad.detach().float().clone() for p_ in params]
+                est = r["plan"].get("est_peak_gb")
+                forwarded = sum(r["plan"]["tier_tokens"].values())
+                row.update(r, forwarded_tokens=forwarded, tokens_per_s=round(r["tokens"] / r["total_s"], 1),
+                           forwarded_tokens_per_s=round(forwarded / r["total_s"], 1),
+                           est_vs_measured=None if est is None else round(est / r["peak_gb"], 3))
+            except (ReplayMemoryError, torch.OutOfMemoryError) as e:
+                row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            gc.collect()
+            torch.cuda.empty_cache()
+            res["shapes"].append(row)
+            print(json.dumps(row), flush=True)
+        if len(grads) == 2:  # the two paths' BF16 gradients against each other (the FP32 gate: part 3)
+            num = sum(float((x - y).pow(2).sum()) for x, y in zip(grads["on"], grads["off"])) ** 0.5
+            den = sum(float(y.pow(2).sum()) for y in grads["off"]) ** 0.5
+            res["shapes"][-1]["grad_rel_l2_vs_off"] = num / den
+            print(json.dumps({"shape": shape, "grad_rel_l2_on_vs_off": num / den}), flush=True)
+        del grads
 
     # 3. gradient equivalence at the 27B width, few layers ------------------------------------------------------------
     if a.gradcheck_layers:
@@ -301,6 +349,7 @@ def gradcheck(arch: dict, cfg27, layers: int, dev, base: str = "bf16") -> dict:
                                        v.to(torch.bfloat16).float()) for k, v in ref_model.state_dict().items()})
     eng_ref, eng_bf = Eng(ref_model), Eng(bf)
     turns = make_turns([1500, 1800, 2100, 2400], 16, 64, arch["hidden_size"], vocab, eng_ref.scale, 5)
+    turns.rows = [0, 0, 0, 0]  # one row's four turns: each prefix extends the last (prefix-shared replay chains them)
     wq = [torch.full((16,), 1e-3, device=dev) for _ in turns.rows]
     wa = [torch.linspace(-1, 1, 64, device=dev) for _ in turns.rows]
     for p_ in ref_model.parameters():
@@ -316,6 +365,15 @@ def gradcheck(arch: dict, cfg27, layers: int, dev, base: str = "bf16") -> dict:
     ref = {n: p_.grad.double().cpu() for n, p_ in ref_model.named_parameters() if p_.requires_grad}
     gdn.install("fla" if chosen.get("chunk") == "fla" else "torch", ref_model.config, dev)
     out = {"base": base, "layers": layers, "tokens": sum(turns.lengths()), "gdn": gdn.chosen()}
+    # prefix-shared replay in FP32 (the chosen GDN kernels continuing chunks from states with gradients) against the
+    # per-turn FP32 reference: only the chunking differs
+    for p_ in ref_model.parameters():
+        p_.grad = None
+    run_plan(eng_ref, turns, ReplayConfig(share_prefix=True))
+    got = {n: p_.grad.double().cpu() for n, p_ in ref_model.named_parameters() if p_.requires_grad}
+    c = compare(got, ref)
+    out["share_prefix_fp32_vs_fp32"] = {k: c[k] for k in ("rel_l2", "tensors", "tensors_outside",
+                                                          "worst_tensor_rel_l2", "passed")}
     # the same BF16 base through PEFT's own forward/autograd, every turn in one batch, no memory policy: isolates
     # what the tiers, micro-batching, the lean adapter backward and the chunked log-probs change
     for p_ in bf.parameters():
@@ -326,10 +384,11 @@ def gradcheck(arch: dict, cfg27, layers: int, dev, base: str = "bf16") -> dict:
     ref_bf = {n: p_.grad.double().cpu() for n, p_ in bf.named_parameters() if p_.requires_grad}
     out["peft_bf16_vs_fp32"] = {k: v for k, v in compare(ref_bf, ref).items() if k != "outside"}
     for tier, caps in (("keep", {}), ("checkpoint", {"keep_graph_tokens": 0}),
-                       ("two_pass", {"keep_graph_tokens": 0, "checkpoint_tokens": 0})):
+                       ("two_pass", {"keep_graph_tokens": 0, "checkpoint_tokens": 0}),
+                       ("share_prefix_checkpoint", {"keep_graph_tokens": 0, "share_prefix": True})):
         for p_ in bf.parameters():
             p_.grad = None
-        run_plan(eng_bf, turns, ReplayConfig(microbatch_tokens=4096, **caps))
+        run_plan(eng_bf, turns, ReplayConfig(microbatch_tokens=4096 if "share_prefix" not in caps else 16384, **caps))
         got = {n: p_.grad.double().cpu() for n, p_ in bf.named_parameters() if p_.requires_grad}
         keys = ("rel_l2", "tensors", "tensors_outside", "worst_tensor_rel_l2", "passed")
         c, cb = compare(got, ref), compare(got, ref_bf)

@@ -248,6 +248,11 @@ class ReplayConfig(_Strict):
                            "sequence-level importance correction unless the sampler's log-probs equal the trainer's "
                            "bit for bit. Off by default: at the 27B shape on the H200 it measured slower than the "
                            "tiers (README, 'Replay memory')")
+    share_prefix: bool = Field(
+        False, description="score each micro-batch's turns over their shared prefixes once (engine/shared_replay.py): "
+                           "a row's earlier turn prefix and a group's prompt are forwarded once and every turn's "
+                           "thoughts and answer branch from that state, with gradients through it; micro-batches hold "
+                           "whole groups (or rows) and count their shared tokens. Same values up to rounding")
     adapter_forward: Literal["lean", "peft"] = Field(
         "lean", description="lean: PEFT's forward arithmetic with a backward that keeps only BF16 inputs and rank-r "
                             "FP32 intermediates (engine/adapter_grad.py); peft: PEFT's own autograd (FP32 input copies)")

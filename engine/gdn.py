@@ -39,6 +39,7 @@ log = logging.getLogger("lgrpo.gdn")
 
 QUALIFY_REL_L2 = 0.02  # BF16 operands land between 1e-3 and 1e-2 against FP32; above this a kernel is wrong
 QUALIFY_VS_TORCH = 3.0  # and no worse than this multiple of the PyTorch path's own BF16 error
+QUALIFY_RULE = 2  # what qualification checks (cached results of an older rule are not used); 2: chunk from a state
 GLOBALS = {"chunk": "torch_chunk_gated_delta_rule", "recurrent": "torch_recurrent_gated_delta_rule",
            "conv": "causal_conv1d_fn", "conv_update": "causal_conv1d_update"}
 _STATE: dict = {"mode": None, "chosen": {}}
@@ -152,13 +153,24 @@ def _run(fn, q, k, v, g, beta, h0, dtype, grad: bool):
     xs = [t.to(dtype).detach().requires_grad_(grad) for t in (q, k, v)]
     gg = g.detach().requires_grad_(grad)
     bb = beta.to(dtype).detach().requires_grad_(grad)
-    out, state = fn(*xs, g=gg, beta=bb, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    hh = None if h0 is None else h0.detach().requires_grad_(grad)
+    out, state = fn(*xs, g=gg, beta=bb, initial_state=hh, output_final_state=True, use_qk_l2norm_in_kernel=True)
     res = {"o": out.detach().float(), "state": None if state is None else state.detach().float()}
     if grad:
-        # the same FP32 cotangent for every dtype (a generator draws different values per dtype)
-        w = torch.randn(out.shape, generator=torch.Generator(device=out.device).manual_seed(7), device=out.device)
-        (out.float() * w).sum().backward()
-        res.update({f"d{n}": t.grad.float() for n, t in zip(("q", "k", "v", "g", "beta"), (*xs, gg, bb))})
+        # the same FP32 cotangents for every dtype (a generator draws different values per dtype); the final state's
+        # too, and the initial state's gradient is checked: prefix-shared replay (engine.shared_replay) continues a
+        # chunk from a state that carries gradients
+        gen = torch.Generator(device=out.device).manual_seed(7)
+        w = torch.randn(out.shape, generator=gen, device=out.device)
+        loss = (out.float() * w).sum()
+        if state is not None:
+            loss = loss + (state.float() * torch.randn(state.shape, generator=gen, device=out.device)).sum()
+        loss.backward()
+        names, tensors = ["q", "k", "v", "g", "beta"], [*xs, gg, bb]
+        if hh is not None:
+            names.append("h0")
+            tensors.append(hh)
+        res.update({f"d{n}": t.grad.float() for n, t in zip(names, tensors)})
     return res
 
 
@@ -168,7 +180,7 @@ def qualify_one(name: str, fn, T: int, layout: dict, device, seed: int = 0) -> d
     ref_fn = reference(name)
     grad = name == "chunk"
     q, k, v, g, beta, h0 = _inputs(T, layout["hk"], layout["hv"], layout["dk"], layout["dv"], device, seed,
-                                   state=name == "recurrent")
+                                   state=True)
     try:
         ref = _run(ref_fn, q, k, v, g, beta, h0, torch.float32, grad)
         tb = _run(ref_fn, q, k, v, g, beta, h0, torch.bfloat16, grad)
@@ -226,7 +238,7 @@ def _cache_file() -> Path:
 
 def qualify(layout: dict, device) -> dict[str, dict]:
     """Qualification of fla's chunk and recurrent kernels on this GPU and these versions, cached on disk."""
-    key = json.dumps({"versions": versions(), "layout": layout}, sort_keys=True)
+    key = json.dumps({"versions": versions(), "layout": layout, "rule": QUALIFY_RULE}, sort_keys=True)
     path = _cache_file()
     cache = json.loads(path.read_text()) if path.exists() else {}
     if key in cache:

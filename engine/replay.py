@@ -159,7 +159,7 @@ def padded_tokens(lengths: list[int], idx: list[int]) -> int:
 
 
 def plan_replay(lengths: list[int], rc, costs: TokenCosts | None = None, base_bytes: float = 0.0,
-                budget_bytes: float | None = None, one_pass: bool = False) -> ReplayPlan:
+                budget_bytes: float | None = None, one_pass: bool = False, packer=None) -> ReplayPlan:
     """Pack micro-batches and choose a tier for each by cumulative tokens on this device; check that the plan fits.
 
     rc: the run's ``replay`` config. Tiers in order: keep the graph while the cumulative tokens stay within
@@ -169,20 +169,23 @@ def plan_replay(lengths: list[int], rc, costs: TokenCosts | None = None, base_by
     cannot fit.
 
     one_pass: every micro-batch is back-propagated inside replay right after its forward (nothing kept across
-    micro-batches); its graph keeps everything when that fits in flight, else it is checkpointed. See plan_one_pass."""
+    micro-batches); its graph keeps everything when that fits in flight, else it is checkpointed. See plan_one_pass.
+
+    packer: max_tokens -> (micro-batches, their token counts) instead of `pack` by padded turn lengths (replay.share_prefix:
+    engine.shared_replay.pack_shared, whole groups counted by the tokens they forward)."""
     if not lengths:
         return ReplayPlan([], [], [])
     known = budget_bytes is not None and costs is not None
+    packer = packer or _turn_packer(lengths)
     if one_pass:
-        return plan_one_pass(lengths, rc, costs if known else None, base_bytes, budget_bytes)
+        return plan_one_pass(lengths, rc, costs if known else None, base_bytes, budget_bytes, packer)
     mb_tokens = rc.microbatch_tokens
     if mb_tokens is None:
         mb_tokens = rc.auto_microbatch_tokens
         if known:  # the micro-batch in flight takes at most transient_share of the free memory
             room = (budget_bytes - base_bytes - costs.fixed) * rc.transient_share
             mb_tokens = max(1, min(mb_tokens, int(room / max(costs.transient, 1.0))))
-    mbs = pack(lengths, mb_tokens)
-    tokens = [padded_tokens(lengths, idx) for idx in mbs]
+    mbs, tokens = packer(mb_tokens)
     plan = ReplayPlan(mbs, tokens, ["keep"] * len(mbs), budget_bytes=budget_bytes, base_bytes=base_bytes, costs=costs)
     inf = float("inf")
     if not known:
@@ -199,8 +202,20 @@ def plan_replay(lengths: list[int], rc, costs: TokenCosts | None = None, base_by
     return plan
 
 
+_SHARED_HINT = (" (with replay.share_prefix a row's turns share one micro-batch; set it to false to replay "
+                "them one by one)")
+
+
+def _turn_packer(lengths: list[int]):
+    def packer(max_tokens: int) -> tuple[list[list[int]], list[int]]:
+        mbs = pack(lengths, max_tokens)
+        return mbs, [padded_tokens(lengths, idx) for idx in mbs]
+
+    return packer
+
+
 def plan_one_pass(lengths: list[int], rc, costs: TokenCosts | None, base_bytes: float,
-                  budget_bytes: float | None) -> ReplayPlan:
+                  budget_bytes: float | None, packer=None) -> ReplayPlan:
     """Micro-batches that are each scored and back-propagated at once: the peak is resident + the largest micro-batch's
     graph in flight (its keep cost when that fits, else its checkpoint cost) + what its backward adds. The automatic
     micro-batch size is what fits checkpointed; a turn longer than that gets its own micro-batch and, when even that
@@ -211,8 +226,7 @@ def plan_one_pass(lengths: list[int], rc, costs: TokenCosts | None, base_bytes: 
         mb_tokens = rc.auto_microbatch_tokens
         if costs is not None:
             mb_tokens = max(1, min(mb_tokens, int(room / max(costs.checkpoint + costs.transient, 1.0))))
-    mbs = pack(lengths, mb_tokens)
-    tokens = [padded_tokens(lengths, idx) for idx in mbs]
+    mbs, tokens = (packer or _turn_packer(lengths))(mb_tokens)
     plan = ReplayPlan(mbs, tokens, ["one_pass"] * len(mbs), budget_bytes=budget_bytes, base_bytes=base_bytes,
                       costs=costs, graphs=["keep"] * len(mbs))
     if costs is None:  # no budget (the CPU default): every graph in full
@@ -227,7 +241,7 @@ def plan_one_pass(lengths: list[int], rc, costs: TokenCosts | None, base_bytes: 
             what = (f"one turn of {longest} tokens needs {need / GiB:.1f} GiB checkpointed in flight: shorten "
                     "episodes (gym.token_budget) or raise replay.memory_budget_gb" if len(mbs[j]) == 1 else
                     f"micro-batches of {n} tokens need {need / GiB:.1f} GiB checkpointed in flight: lower "
-                    "replay.microbatch_tokens")
+                    "replay.microbatch_tokens" + _SHARED_HINT * bool(rc.share_prefix))
             raise ReplayMemoryError(
                 f"replay preflight (one pass): {base_bytes / GiB:.1f} GiB resident + {costs.fixed / GiB:.1f} GiB "
                 f"fixed + {need / GiB:.1f} GiB in flight exceeds the budget of {budget_bytes / GiB:.1f} GiB; {what}")
@@ -247,7 +261,7 @@ def _assign(plan: ReplayPlan, tokens: list[int], lengths: list[int], rc, costs: 
         what = (f"one turn of {longest} tokens needs {transient / GiB:.1f} GiB in flight: shorten episodes "
                 "(gym.token_budget) or raise replay.memory_budget_gb" if max(tokens) == longest else
                 f"micro-batches of {max(tokens)} tokens need {transient / GiB:.1f} GiB in flight: lower "
-                "replay.microbatch_tokens")
+                "replay.microbatch_tokens" + _SHARED_HINT * bool(rc.share_prefix))
         raise ReplayMemoryError(
             f"replay preflight: {base_bytes / GiB:.1f} GiB resident + {transient / GiB:.1f} GiB in flight exceeds "
             f"the budget of {budget_bytes / GiB:.1f} GiB; {what}")
@@ -329,17 +343,35 @@ def checkpointed_layers(model, context=None, keeps: str = "inputs"):
     if keeps not in ("inputs", "matmuls"):
         raise ValueError(f"checkpoint keeps {keeps!r}: one of inputs, matmuls")
     extra = {} if keeps == "inputs" else {"context_fn": partial(create_selective_checkpoint_contexts, _keep_matmuls)}
+    from engine import shared_replay as SR
+
     layers = list(M._parts(model)[0].layers)
     ctx = context or nullcontext
-    for layer in layers:
+    for i, layer in enumerate(layers):
         orig = layer.forward
 
         def run(*args, _orig=orig, **kwargs):
             with ctx():
                 return _orig(*args, **kwargs)
 
-        def fwd(*args, _run=run, **kwargs):
-            return checkpoint(_run, *args, use_reentrant=False, **extra, **kwargs)
+        def fwd(*args, _run=run, _i=i, **kwargs):
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            if not getattr(cache, "_lgrpo_functional", False):
+                return checkpoint(_run, *args, use_reentrant=False, **extra, **kwargs)
+            # a cache with gradients (engine.shared_replay): the layer's state in and out are the checkpointed
+            # function's explicit inputs and outputs, so the recompute in backward starts from the state this forward
+            # saw (the cache object itself has moved on by then)
+            cl = cache.layers[_i]
+            state = SR.get_state(cl)
+
+            def stateful(hidden, *st, _rest=args[1:], _kw=kwargs):
+                SR.set_state(cl, st or None)
+                out = _run(hidden, *_rest, **_kw)
+                return (out, *SR.get_state(cl))
+
+            res = checkpoint(stateful, args[0], *(state or ()), use_reentrant=False, **extra)
+            SR.set_state(cl, tuple(res[1:]))
+            return res[0]
 
         layer.forward = fwd
     try:
@@ -385,6 +417,11 @@ def score_microbatch(engine, turns: Turns, idx: list[int], temperature: float, s
         if checkpointed and torch.is_grad_enabled():
             stack.enter_context(checkpointed_layers(engine.model, (lambda: replay_adapter(engine)) if lean else nullcontext,
                                                     "inputs" if rc is None else rc.checkpoint_keeps))
+        if rc is not None and rc.share_prefix:
+            from engine.shared_replay import score_turns_shared
+
+            return score_turns_shared(engine.model, *args[:3], [turns.rows[i] for i in idx], *args[3:],
+                                      logprob_chunk=rc.logprob_chunk)
         return SC.score_turns(engine.model, *args, logprob_chunk=None if rc is None else rc.logprob_chunk)
 
 
@@ -475,7 +512,20 @@ def plan_for(engine, turns: Turns, rc, temperature: float, sigma: float, one_pas
             costs = (measure_costs(engine, turns, rc, temperature, sigma) if engine.device.type == "cuda"
                      else estimate_costs(engine.model))
             engine._replay_costs = costs
-    return plan_replay(turns.lengths(), rc, costs, resident, budget, one_pass)
+    return plan_replay(turns.lengths(), rc, costs, resident, budget, one_pass, packer_for(turns, rc))
+
+
+def packer_for(turns: Turns, rc):
+    """plan_replay's packer for rc: None (whole turns by padded length) or, with replay.share_prefix, whole groups
+    by the tokens a prefix-shared scoring forwards (engine.shared_replay.pack_shared)."""
+    if not rc.share_prefix:
+        return None
+    from engine.shared_replay import pack_shared
+
+    def packer(max_tokens: int):
+        return pack_shared(turns.prefixes, turns.thoughts, turns.answers, turns.rows, max_tokens)
+
+    return packer
 
 
 def to_sequences(rows: list[int], per_turn: list[torch.Tensor], n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:

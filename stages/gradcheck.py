@@ -17,7 +17,7 @@ import copy
 import torch
 
 from engine import model as M
-from engine.replay import plan_replay, to_sequences
+from engine.replay import packer_for, plan_replay, to_sequences
 from stages.optimize import LossInputs, accumulate_gradients, driver_weights
 
 REL_L2_MAX = 0.002  # the gradient-equivalence gate (docs/architecture.md); never moved
@@ -41,7 +41,7 @@ def pipeline_gradients(cfg, engine, li: LossInputs, costs=None, budget: float | 
     li = copy.copy(li)
     _zero(engine.model)
     live, lp_turn = [], [None] * len(li.rows)
-    plan = plan_replay(li.turns.lengths(), cfg.replay, costs, 0.0, budget)
+    plan = plan_replay(li.turns.lengths(), cfg.replay, costs, 0.0, budget, packer=packer_for(li.turns, cfg.replay))
     for idx, tier in zip(plan.microbatches, plan.tiers):
         with torch.set_grad_enabled(tier != "two_pass"):
             a, q = engine.score(li.turns, idx, cfg.sampler.temperature, li.sigma, tier, cfg.replay)

@@ -31,13 +31,23 @@ def trajectory(tmp_path_factory):
     return cfg, s0["base"], adapter, li
 
 
-def test_pipeline_gradients_match_the_fp32_reference(trajectory):
+@pytest.mark.parametrize("share_prefix", [False, True])
+def test_pipeline_gradients_match_the_fp32_reference(trajectory, share_prefix):
+    """share_prefix: the pipeline scores each group's prompt and each row's earlier turns once
+    (engine/shared_replay.py); the reference still forwards every turn alone."""
     from engine.runtime import build
+    from engine.shared_replay import shared_tokens
     from stages.gradcheck import REL_L2_MAX, compare, pipeline_gradients, reference_gradients
 
     cfg, base, adapter, li = trajectory
     ref = reference_gradients(cfg, build(cfg, base, base, adapter_dir=adapter, dtype="float32"), li)
     assert sum(float(g.norm()) for g in ref.values()) > 0
+    if share_prefix:
+        t = li.turns
+        shared = shared_tokens(t.prefixes, t.thoughts, t.answers, t.rows)
+        print(f"replayed tokens: {sum(t.lengths())} turn by turn, {shared} over shared prefixes")
+        assert shared < sum(t.lengths())  # the stored episodes do share prefixes
+        cfg = cfg.model_copy(update={"replay": cfg.replay.model_copy(update={"share_prefix": True})})
     got = compare(pipeline_gradients(cfg, build(cfg, base, base, adapter_dir=adapter, dtype="float32"), li), ref)
     assert got["passed"] and got["rel_l2"] <= REL_L2_MAX and got["tensors_outside"] == 0, got
     assert got["rel_l2"] < 1e-4  # FP32 pipeline vs FP32 reference: only summation order differs

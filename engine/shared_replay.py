@@ -1,0 +1,301 @@
+"""Prefix-shared replay: score the turns of an episode (and of a GRPO group) over their shared prefixes once.
+
+A turn's replay input is embed(c_t ⊕ <think>) ⊕ z_1..z_K ⊕ embed(</think> ⊕ a_1..a_{L-1}); thoughts of earlier turns
+are not in later prefixes, so c_t is a token prefix of c_{t+1} (= c_t ⊕ answer ⊕ observation), and every row of a
+group starts from the same prompt c_0. Scoring each turn alone forwards c_0 once per turn and row: at the recipe
+shape (4 rows x 4 turns, a 3,072-token prompt, ~200 tokens per turn) ~55k tokens where ~7k are distinct.
+
+Here the turns of a micro-batch form a forest of distinct prefixes (`forest`): a node is one distinct turn prefix,
+its parent the same row's previous turn prefix when that is a prefix of it. Each node is forwarded once from its
+parent's state (batch 1: the new tokens only), and each turn's branch -- <think>, its thoughts, </think> and its
+answer -- from its node's state; the branches of one node (a group's first turns) share one right-padded batch
+(causal: the padding after a branch changes nothing before it). States carry gradients: the attention K/V and the
+Gated DeltaNet conv and recurrent states live in a transformers DynamicCache whose linear-attention layers are
+updated by assignment instead of in place (`functional_cache`), so autograd follows them from every branch back
+into the shared prefix, and activation checkpointing per decoder layer threads each layer's state through the
+checkpoint explicitly (engine.replay.checkpointed_layers).
+
+Chunk layout: c_0 | turn-1 tokens | ... | turn-t tokens | branch, the layout generation's prefix cache computes
+(engine.prefix_cache, `boundaries`), so replay and generation see the same chunking of the prefix. Results equal the
+per-turn forward up to rounding (a chunked recurrence sums in another order): tests/test_shared_replay.py checks
+values and gradients against the per-turn path in FP32 and the gradient-equivalence gate in BF16, and the same
+micro-batch scores bit for bit the same twice (the two-pass replay-determinism gate)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from engine.latent import gaussian_logq, thought_mean
+from engine.model import Tokens, _parts, cache_kw
+
+LINEAR = "linear_attention"
+# fewest new tokens a node forwards: with one token transformers' GDN layer takes its decode path (the conv state and,
+# in fla's kernel, the recurrent state updated in place), which would write into a state other branches share
+MIN_CHUNK = 2
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# caches whose states carry gradients
+
+
+def _conv_update(layer, conv_states: torch.Tensor, state_idx: int = 0, conv_kernel_size: int | None = None, **_):
+    """LinearAttentionLayer.update_conv_state by assignment (transformers copies into a static buffer in place, which
+    autograd cannot follow through a second update)."""
+    k = conv_kernel_size or layer.conv_kernel_size.get(state_idx) or conv_states.shape[-1]
+    if layer.has_previous_state[state_idx]:
+        full = torch.cat([layer.conv_states[state_idx].to(conv_states.dtype), conv_states], -1)
+    else:
+        full = conv_states
+        if full.shape[-1] < k:
+            full = torch.nn.functional.pad(full, (k - full.shape[-1], 0))
+    layer.conv_kernel_size[state_idx] = k
+    layer.conv_states[state_idx] = full[..., -k:]
+    layer.is_conv_states_initialized[state_idx] = layer.has_previous_state[state_idx] = True
+    layer.device, layer.dtype = full.device, full.dtype
+    return full
+
+
+def _recurrent_update(layer, recurrent_states: torch.Tensor, state_idx: int = 0, **_):
+    layer.recurrent_states[state_idx] = recurrent_states
+    layer.is_recurrent_states_initialized[state_idx] = True
+    return recurrent_states
+
+
+def is_linear(layer) -> bool:
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    return isinstance(layer, LinearAttentionCacheLayerMixin)
+
+
+def get_state(layer) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A cache layer's state: (conv, recurrent) of a GDN layer, (keys, values) of an attention layer; None if empty."""
+    if is_linear(layer):
+        if not layer.has_previous_state[0]:
+            return None
+        return layer.conv_states[0], layer.recurrent_states[0]
+    if not getattr(layer, "is_initialized", False) or layer.keys is None or layer.keys.numel() == 0:
+        return None
+    return layer.keys, layer.values
+
+
+def set_state(layer, state) -> None:
+    """Put `state` (get_state's form, or None: empty) into a cache layer, by assignment (no copies)."""
+    if is_linear(layer):
+        if state is None:
+            layer.conv_states[0] = layer.recurrent_states[0] = None
+            layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = False
+            layer.has_previous_state[0] = False
+            return
+        conv, rec = state
+        layer.conv_states[0], layer.recurrent_states[0] = conv, rec
+        layer.conv_kernel_size[0] = conv.shape[-1]
+        layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
+        layer.has_previous_state[0] = True
+        layer.device, layer.dtype = conv.device, conv.dtype
+        return
+    if state is None:
+        layer.keys = layer.values = None
+        layer.is_initialized = False
+        return
+    layer.keys, layer.values = state
+    layer.is_initialized = True
+    layer.device = state[0].device
+
+
+def functional_cache(config, states: list | None = None):
+    """A DynamicCache for `config` whose GDN layers update by assignment, optionally holding `states` (per layer,
+    get_state's form; tensors are used as they are: several caches may share them). Marked `_lgrpo_functional`, so
+    checkpointed_layers threads its layers' states through each checkpoint."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    for i, layer in enumerate(cache.layers):
+        if is_linear(layer):
+            layer.update_conv_state = partial(_conv_update, layer)
+            layer.update_recurrent_state = partial(_recurrent_update, layer)
+        if states is not None:
+            set_state(layer, states[i])
+    cache._lgrpo_functional = True
+    return cache
+
+
+def cache_states(cache) -> list:
+    return [get_state(layer) for layer in cache.layers]
+
+
+def expand_states(states: list, B: int) -> list:
+    """Each state repeated to batch B (gradients of the B rows sum into the shared state). Contiguous copies, not
+    broadcast views: fla's kernels address an initial state as contiguous memory."""
+    if B == 1:
+        return states
+    return [None if st is None else tuple(t.expand(B, *t.shape[1:]).contiguous() for t in st) for st in states]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the forest of distinct prefixes
+
+
+@dataclass
+class Node:
+    """One distinct turn prefix: forwarded from `parent`'s state over prefix[start:end]."""
+
+    prefix: tuple
+    parent: int  # node index, -1: the empty state
+    start: int
+    turns: list[int] = field(default_factory=list)  # positions (in the micro-batch) of the turns that branch here
+
+    @property
+    def end(self) -> int:
+        return len(self.prefix)
+
+
+def forest(prefixes: list[list[int]], rows: list[int]) -> list[Node]:
+    """Nodes in computation order (a parent before its children). Identical prefixes share one node (a group's
+    prompt); a node's parent is the node of the same row's longest earlier turn prefix that is a proper prefix of it
+    (rows' turns ordered by prefix length), else none (forwarded from the empty state)."""
+    nodes: list[Node] = []
+    index: dict[tuple, int] = {}
+    order = sorted(range(len(prefixes)), key=lambda j: (len(prefixes[j]), j))
+    last: dict[int, int] = {}  # row -> node of its latest (longest so far) turn prefix
+    for j in order:
+        p = tuple(int(t) for t in prefixes[j])
+        if not p:
+            raise ValueError("empty prefix")
+        n = index.get(p)
+        if n is None:
+            parent = last.get(rows[j], -1)
+            if parent >= 0 and p[:nodes[parent].end] != nodes[parent].prefix:
+                parent = -1  # the row's earlier prefix is not a prefix of this one (edited history): start over
+            while parent >= 0 and len(p) - nodes[parent].end < MIN_CHUNK:
+                parent = nodes[parent].parent  # a one-token chunk would take transformers' in-place decode path
+            nodes.append(Node(p, parent, nodes[parent].end if parent >= 0 else 0))
+            n = index[p] = len(nodes) - 1
+        nodes[n].turns.append(j)
+        last[rows[j]] = n
+    for nd in nodes:
+        nd.turns.sort()
+    return nodes
+
+
+def branch_length(thoughts: torch.Tensor, answer: list[int]) -> int:
+    return 1 + thoughts.shape[0] + len(answer)  # <think>, z_1..z_K, </think>, a_1..a_{L-1}
+
+
+def shared_tokens(prefixes: list[list[int]], thoughts: list[torch.Tensor], answers: list[list[int]],
+                  rows: list[int]) -> int:
+    """Tokens a prefix-shared scoring of these turns forwards: each node's new tokens, each node's branches padded to
+    their longest."""
+    total = 0
+    for nd in forest(prefixes, rows):
+        total += nd.end - nd.start
+        total += len(nd.turns) * max(branch_length(thoughts[j], answers[j]) for j in nd.turns)
+    return total
+
+
+def units(prefixes: list[list[int]], rows: list[int]) -> list[list[int]]:
+    """Turn indices grouped into the trees of the forest over all turns (a GRPO group's turns, typically), each
+    sorted; trees in order of their first turn."""
+    nodes = forest(prefixes, rows)
+    root = list(range(len(nodes)))
+    for i, nd in enumerate(nodes):
+        root[i] = i if nd.parent < 0 else root[nd.parent]
+    trees: dict[int, list[int]] = {}
+    for i, nd in enumerate(nodes):
+        trees.setdefault(root[i], []).extend(nd.turns)
+    return sorted((sorted(t) for t in trees.values()), key=lambda t: t[0])
+
+
+def pack_shared(prefixes, thoughts, answers, rows, max_tokens: int) -> tuple[list[list[int]], list[int]]:
+    """Micro-batches of whole trees (a group shares its prompt only inside one micro-batch) by shared token count,
+    largest first onto the first micro-batch with room; a tree over max_tokens is split into its rows (each row's
+    turns still share their prefixes), and a row over it gets a micro-batch of its own. Returns (micro-batches of turn
+    indices, each sorted; their shared token counts). Deterministic in its inputs."""
+    def count(idx):
+        return shared_tokens([prefixes[i] for i in idx], [thoughts[i] for i in idx], [answers[i] for i in idx],
+                             [rows[i] for i in idx])
+
+    pieces: list[list[int]] = []
+    for tree in units(prefixes, rows):
+        if count(tree) <= max_tokens:
+            pieces.append(tree)
+            continue
+        by_row: dict[int, list[int]] = {}
+        for i in tree:
+            by_row.setdefault(rows[i], []).append(i)
+        pieces.extend(by_row[r] for r in sorted(by_row, key=lambda r: by_row[r][0]))
+    sizes = [count(p) for p in pieces]
+    bins: list[list[int]] = []
+    load: list[int] = []
+    for k in sorted(range(len(pieces)), key=lambda k: (-sizes[k], pieces[k][0])):
+        for b in range(len(bins)):
+            if load[b] + sizes[k] <= max_tokens:
+                bins[b].extend(pieces[k])
+                load[b] += sizes[k]
+                break
+        else:
+            bins.append(list(pieces[k]))
+            load.append(sizes[k])
+    mbs = [sorted(b) for b in bins]
+    return mbs, [count(b) for b in mbs]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# scoring
+
+
+def score_turns_shared(model, prefixes: list[list[int]], thoughts: list[torch.Tensor], answers: list[list[int]],
+                       rows: list[int], temperature: float, sigma: float, scale: float, toks: Tokens,
+                       logprob_chunk: int | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """engine.scoring.score_turns over shared prefixes: the same outputs (per-turn answer log-probs [(L_i,)], thought
+    log-densities (B, K)) in the same order, with gradients when enabled."""
+    text, head, emb = _parts(model)
+    cfg = text.config
+    dev = emb.weight.device
+    B = len(prefixes)
+    K = thoughts[0].shape[0] if B else 0
+    if any(z.shape[0] != K for z in thoughts):
+        raise ValueError("all turns of one scoring batch need the same number of thoughts")
+    nodes = forest(prefixes, rows)
+    states: list[list] = []
+    for nd in nodes:
+        cache = functional_cache(cfg, states[nd.parent] if nd.parent >= 0 else None)
+        ids = torch.tensor([nd.prefix[nd.start:]], dtype=torch.long, device=dev)
+        pos = torch.arange(nd.start, nd.end, device=dev)[None]
+        text(input_ids=ids, position_ids=pos, **cache_kw(cache), use_cache=True)
+        states.append(cache_states(cache))
+    ans_lp: list = [None] * B
+    logq: list = [None] * B
+    for n, nd in enumerate(nodes):
+        if not nd.turns:
+            continue
+        seqs = []
+        for j in nd.turns:
+            head_e = emb(torch.tensor([toks.think], device=dev))
+            tail_e = emb(torch.tensor([toks.answer_open] + answers[j][:-1], device=dev))
+            seqs.append(torch.cat([head_e, thoughts[j].to(device=dev, dtype=head_e.dtype), tail_e], 0))
+        T = max(MIN_CHUNK, *(s.shape[0] for s in seqs))
+        x = seqs[0].new_zeros(len(seqs), T, seqs[0].shape[1])
+        for b, s in enumerate(seqs):
+            x[b, : s.shape[0]] = s  # right padding: causal, so nothing before it changes
+        pos = torch.arange(nd.end, nd.end + T, device=dev)[None].expand(len(seqs), T)
+        cache = functional_cache(cfg, expand_states(states[n], len(seqs)))
+        hid = text(inputs_embeds=x, position_ids=pos, **cache_kw(cache), use_cache=True).last_hidden_state
+        for b, j in enumerate(nd.turns):
+            L = len(answers[j])
+            if K:
+                mu = thought_mean(hid[b, :K], scale)  # mu_1 from <think>, mu_k from z_{k-1}
+                logq[j] = gaussian_logq(thoughts[j].to(mu.device).float(), mu, sigma)
+            h = hid[b, K + 1: K + 1 + L]  # </think>, a_1..a_{L-1} predict a_1..a_L
+            tgt = torch.tensor(answers[j], device=dev)
+            if logprob_chunk is None:
+                lp = torch.log_softmax(head(h).float() / temperature, -1).gather(1, tgt[:, None])[:, 0]
+            else:
+                from engine.logprobs import selected_logprobs
+
+                lp = selected_logprobs(h, head.weight, tgt, temperature, logprob_chunk)
+            ans_lp[j] = lp
+    lq = torch.stack(logq) if K else torch.zeros(B, 0, device=dev)
+    return ans_lp, lq

@@ -119,15 +119,33 @@ def replay(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: 
     return out
 
 
-def split_turns(lengths: list[int], workers: int) -> dict[int, list[int]]:
-    """Turns per worker, balanced by token count (longest first onto the least loaded worker; ties by index)."""
+def split_turns(lengths: list[int], workers: int, units: list[tuple[list[int], int]] | None = None
+                ) -> dict[int, list[int]]:
+    """Turns per worker, balanced by token count (longest first onto the least loaded worker; ties by index).
+
+    units: (turn ids, tokens) that stay on one worker (replay.share_prefix: a group's turns share its prompt only
+    where they are scored together), placed the same way by their token counts; default: every turn alone."""
+    if units is None:
+        units = [([i], n) for i, n in enumerate(lengths)]
     load = [0] * workers
     out: dict[int, list[int]] = {w: [] for w in range(workers)}
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+    for ids, n in sorted(units, key=lambda u: (-u[1], u[0][0])):
         w = min(range(workers), key=lambda w: (load[w], w))
-        out[w].append(i)
-        load[w] += lengths[i]
+        out[w].extend(ids)
+        load[w] += n
     return {w: sorted(ids) for w, ids in out.items()}
+
+
+def shared_units(turns: Turns) -> list[tuple[list[int], int]]:
+    """split_turns' units for replay.share_prefix: the trees of shared prefixes (engine.shared_replay.units) and the
+    tokens each forwards."""
+    from engine.shared_replay import shared_tokens, units
+
+    out = []
+    for ids in units(turns.prefixes, turns.rows):
+        out.append((ids, shared_tokens([turns.prefixes[i] for i in ids], [turns.thoughts[i] for i in ids],
+                                       [turns.answers[i] for i in ids], [turns.rows[i] for i in ids])))
+    return out
 
 
 def replay_shard(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: str, turn_ids: list[int],

@@ -83,6 +83,24 @@ def test_pack_shared_keeps_groups_whole_splits_an_oversized_group_into_rows_and_
     assert pack_shared(*args, group) == (mbs, tokens)
 
 
+def test_workers_get_whole_groups_with_share_prefix():
+    """The pool's replay split (stages.replay.split_turns): by turn without units; with replay.share_prefix's units
+    each group's turns land on one worker, balanced by the tokens each group forwards."""
+    from stages.replay import shared_units, split_turns
+
+    t = episodes(groups=4, rows=2, turns=2)
+    units = shared_units(t)
+    assert [ids for ids, _ in units] == [list(range(4 * g, 4 * g + 4)) for g in range(4)]
+    split = split_turns(t.lengths(), 2, units)
+    assert sorted(i for ids in split.values() for i in ids) == list(range(16))
+    for ids, _ in units:
+        assert sum(set(ids) <= set(w) for w in split.values()) == 1
+    load = [sum(n for ids, n in units if set(ids) <= set(w)) for w in split.values()]
+    assert max(load) - min(load) <= max(n for _, n in units)
+    by_turn = split_turns(t.lengths(), 2)
+    assert sorted(i for ids in by_turn.values() for i in ids) == list(range(16))
+
+
 @pytest.mark.parametrize("adapter_type", ["lora", "dora"])
 def test_shared_scores_and_gradients_equal_the_per_turn_path_in_every_tier(adapter_type):
     """FP32: values to ~1e-6 and gradients to relative L2 ~1e-6 of the per-turn kept graph (a chunked recurrence

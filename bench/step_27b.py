@@ -108,10 +108,14 @@ def main(argv=None) -> dict:
                "optimize_laps_s": {k: m.get(k) for k in ("prepare_s", "backward_s", "update_s", "write_s")}}
         T = m.get("replay_tokens")
         rs = ph.get("replay", 0.0) + ph.get("optimize", 0.0)
+        # tokens the plan forwarded: fewer than the turns' tokens with replay.share_prefix (a group's prompt and a
+        # row's earlier turns once); MFU counts those, tokens/s the turns' (the work the step asks for)
+        fwd = sum(((m.get("replay_plan") or {}).get("tier_tokens") or {}).values()) or T
+        row["replay_forwarded_tokens"] = fwd
         if T and rs:
             row["replay_tokens_per_s"] = round(T / rs, 1)
             if P is not None:
-                row["replay_mfu"] = round(4 * P * T / rs / PEAK_FLOPS, 4)
+                row["replay_mfu"] = round(4 * P * fwd / rs / PEAK_FLOPS, 4)
         est = (m.get("replay_plan") or {}).get("est_peak_gb")
         meas = max((m.get("peak_gb") or {}).get(k, 0.0) for k in ("replay", "optimize")) if m.get("peak_gb") else None
         if est and meas:
@@ -126,7 +130,8 @@ def main(argv=None) -> dict:
     print(f"\nstep flow of {a.config} with {a.groups} group(s), return code {rc}, {wall:.0f} s wall")
     for r in steps:
         print(f"step {r['step']} {r['kind']:<6} " + " ".join(f"{k} {v:.1f}s" for k, v in r["phases_s"].items())
-              + f" | replay {r.get('replay_tokens')} tok, {r.get('replay_tokens_per_s')} tok/s, MFU {r.get('replay_mfu')}"
+              + f" | replay {r.get('replay_tokens')} tok ({r.get('replay_forwarded_tokens')} forwarded), "
+              f"{r.get('replay_tokens_per_s')} tok/s, MFU {r.get('replay_mfu')}"
               + f" | optimize {r.get('optimize_laps_s')} (live graph {r.get('live_graph')}, one pass {r.get('one_pass')})"
               + f" | peak {r.get('peak_gb')} | allocator retries {r.get('alloc_retries')}"
               + f" | preflight/measured {r.get('preflight_est_vs_measured')}"

@@ -7,9 +7,9 @@ shape (4 rows x 4 turns, a 3,072-token prompt, ~200 tokens per turn) ~55k tokens
 
 Here the turns of a micro-batch form a forest of distinct prefixes (`forest`): a node is one distinct turn prefix,
 its parent the same row's previous turn prefix when that is a prefix of it. Each node is forwarded once from its
-parent's state (batch 1: the new tokens only), and each turn's branch -- <think>, its thoughts, </think> and its
-answer -- from its node's state; the branches of one node (a group's first turns) share one right-padded batch
-(causal: the padding after a branch changes nothing before it). States carry gradients: the attention K/V and the
+parent's state (the new tokens only), and each turn's branch -- <think>, its thoughts, </think> and its answer --
+from its node's state; forwards from one state share a batch (`schedule`: equal-length children unpadded, branches
+right-padded -- causal, so the padding after a branch changes nothing before it). States carry gradients: the attention K/V and the
 Gated DeltaNet conv and recurrent states live in a transformers DynamicCache whose linear-attention layers are
 updated by assignment instead of in place (`functional_cache`), so autograd follows them from every branch back
 into the shared prefix, and activation checkpointing per decoder layer threads each layer's state through the
@@ -184,15 +184,52 @@ def branch_length(thoughts: torch.Tensor, answer: list[int]) -> int:
     return 1 + thoughts.shape[0] + len(answer)  # <think>, z_1..z_K, </think>, a_1..a_{L-1}
 
 
+@dataclass
+class Batch:
+    """One forward: `items` -- ("node", i): node i's new tokens, unpadded (its state is kept); ("turn", j): turn j's
+    branch, right-padded to T -- all from node `base`'s state (-1: the empty state) at position `start`."""
+
+    base: int
+    start: int
+    T: int
+    items: list[tuple[str, int]]
+
+
+def schedule(nodes: list[Node], branch_lengths: list[int]) -> list[Batch]:
+    """The forwards of a prefix-shared scoring, in an order where every base state exists before it is used.
+
+    From one node's state: its children of equal length go in one batch (no padding, so their states are exact), and
+    its turns' branches join the batch of its longest children when they fit in that length (right-padded: only the
+    positions before the padding are read), else form a batch of their own. So a row's next prefix and its current
+    turn's branch share one forward (the prefix, answer plus tool result, is the longer), as do a group's first turns
+    and the rows' second prefixes when those have equal lengths. Roots are forwarded alone from the empty state."""
+    out: list[Batch] = []
+    kids: dict[int, list[int]] = {}
+    for i, nd in enumerate(nodes):
+        kids.setdefault(nd.parent, []).append(i)
+    for n, nd in enumerate(nodes):
+        if nd.parent < 0:
+            out.append(Batch(-1, 0, nd.end, [("node", n)]))
+        by_len: dict[int, list[int]] = {}
+        for c in kids.get(n, []):
+            by_len.setdefault(nodes[c].end - nodes[c].start, []).append(c)
+        groups = [Batch(n, nd.end, T, [("node", c) for c in cs]) for T, cs in sorted(by_len.items(), reverse=True)]
+        if nd.turns:
+            Tb = max(MIN_CHUNK, *(branch_lengths[j] for j in nd.turns))
+            if groups and groups[0].T >= Tb:
+                groups[0].items += [("turn", j) for j in nd.turns]
+            else:
+                groups.append(Batch(n, nd.end, Tb, [("turn", j) for j in nd.turns]))
+        out.extend(groups)
+    return out
+
+
 def shared_tokens(prefixes: list[list[int]], thoughts: list[torch.Tensor], answers: list[list[int]],
                   rows: list[int]) -> int:
-    """Tokens a prefix-shared scoring of these turns forwards: each node's new tokens, each node's branches padded to
-    their longest."""
-    total = 0
-    for nd in forest(prefixes, rows):
-        total += nd.end - nd.start
-        total += len(nd.turns) * max(branch_length(thoughts[j], answers[j]) for j in nd.turns)
-    return total
+    """Tokens a prefix-shared scoring of these turns forwards (padding included): the sum over `schedule`'s batches
+    of rows x length."""
+    nodes = forest(prefixes, rows)
+    return sum(len(b.items) * b.T for b in schedule(nodes, [branch_length(z, a) for z, a in zip(thoughts, answers)]))
 
 
 def units(prefixes: list[list[int]], rows: list[int]) -> list[list[int]]:
@@ -250,7 +287,7 @@ def score_turns_shared(model, prefixes: list[list[int]], thoughts: list[torch.Te
                        rows: list[int], temperature: float, sigma: float, scale: float, toks: Tokens,
                        logprob_chunk: int | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
     """engine.scoring.score_turns over shared prefixes: the same outputs (per-turn answer log-probs [(L_i,)], thought
-    log-densities (B, K)) in the same order, with gradients when enabled."""
+    log-densities (B, K)) in the same order, with gradients when enabled. Forwards as `schedule` batches them."""
     text, head, emb = _parts(model)
     cfg = text.config
     dev = emb.weight.device
@@ -259,43 +296,44 @@ def score_turns_shared(model, prefixes: list[list[int]], thoughts: list[torch.Te
     if any(z.shape[0] != K for z in thoughts):
         raise ValueError("all turns of one scoring batch need the same number of thoughts")
     nodes = forest(prefixes, rows)
-    states: list[list] = []
-    for nd in nodes:
-        cache = functional_cache(cfg, states[nd.parent] if nd.parent >= 0 else None)
-        ids = torch.tensor([nd.prefix[nd.start:]], dtype=torch.long, device=dev)
-        pos = torch.arange(nd.start, nd.end, device=dev)[None]
-        text(input_ids=ids, position_ids=pos, **cache_kw(cache), use_cache=True)
-        states.append(cache_states(cache))
+    states: dict[int, list] = {}
     ans_lp: list = [None] * B
     logq: list = [None] * B
-    for n, nd in enumerate(nodes):
-        if not nd.turns:
-            continue
+    for bt in schedule(nodes, [branch_length(z, a) for z, a in zip(thoughts, answers)]):
         seqs = []
-        for j in nd.turns:
-            head_e = emb(torch.tensor([toks.think], device=dev))
-            tail_e = emb(torch.tensor([toks.answer_open] + answers[j][:-1], device=dev))
-            seqs.append(torch.cat([head_e, thoughts[j].to(device=dev, dtype=head_e.dtype), tail_e], 0))
-        T = max(MIN_CHUNK, *(s.shape[0] for s in seqs))
-        x = seqs[0].new_zeros(len(seqs), T, seqs[0].shape[1])
-        for b, s in enumerate(seqs):
-            x[b, : s.shape[0]] = s  # right padding: causal, so nothing before it changes
-        pos = torch.arange(nd.end, nd.end + T, device=dev)[None].expand(len(seqs), T)
-        cache = functional_cache(cfg, expand_states(states[n], len(seqs)))
+        for kind, i in bt.items:
+            if kind == "node":
+                nd = nodes[i]
+                seqs.append(emb(torch.tensor(nd.prefix[nd.start:], dtype=torch.long, device=dev)))
+            else:
+                head_e = emb(torch.tensor([toks.think], device=dev))
+                tail_e = emb(torch.tensor([toks.answer_open] + answers[i][:-1], device=dev))
+                seqs.append(torch.cat([head_e, thoughts[i].to(device=dev, dtype=head_e.dtype), tail_e], 0))
+        n = len(seqs)
+        x = seqs[0].new_zeros(n, bt.T, seqs[0].shape[1])
+        for b, sq in enumerate(seqs):
+            x[b, : sq.shape[0]] = sq  # right padding (branches only): causal, so nothing before it changes
+        pos = torch.arange(bt.start, bt.start + bt.T, device=dev)[None].expand(n, bt.T)
+        cache = functional_cache(cfg, None if bt.base < 0 else expand_states(states[bt.base], n))
         hid = text(inputs_embeds=x, position_ids=pos, **cache_kw(cache), use_cache=True).last_hidden_state
-        for b, j in enumerate(nd.turns):
-            L = len(answers[j])
+        out = cache_states(cache)
+        for b, (kind, i) in enumerate(bt.items):
+            if kind == "node":  # a prefix forwarded unpadded: its state is exact; row b of the batch's states
+                states[i] = out if n == 1 else [None if st is None else tuple(t[b:b + 1] for t in st) for st in out]
+                continue
+            L = len(answers[i])
             if K:
                 mu = thought_mean(hid[b, :K], scale)  # mu_1 from <think>, mu_k from z_{k-1}
-                logq[j] = gaussian_logq(thoughts[j].to(mu.device).float(), mu, sigma)
+                logq[i] = gaussian_logq(thoughts[i].to(mu.device).float(), mu, sigma)
             h = hid[b, K + 1: K + 1 + L]  # </think>, a_1..a_{L-1} predict a_1..a_L
-            tgt = torch.tensor(answers[j], device=dev)
+            tgt = torch.tensor(answers[i], device=dev)
             if logprob_chunk is None:
                 lp = torch.log_softmax(head(h).float() / temperature, -1).gather(1, tgt[:, None])[:, 0]
             else:
                 from engine.logprobs import selected_logprobs
 
                 lp = selected_logprobs(h, head.weight, tgt, temperature, logprob_chunk)
-            ans_lp[j] = lp
+            ans_lp[i] = lp
+        del hid, cache, out
     lq = torch.stack(logq) if K else torch.zeros(B, 0, device=dev)
     return ans_lp, lq

@@ -66,6 +66,35 @@ def test_forest_shares_a_groups_prompt_and_each_rows_earlier_turns():
     assert any(n.parent < 0 and n.prefix == tuple(p2[1]) for n in nodes2)
 
 
+def test_schedule_batches_a_rows_next_prefix_with_its_current_branch():
+    """Recipe-like group (equal answer and tool lengths): the prompt alone, then from it every row's first branch
+    with every row's second prefix in one batch, then per row its next prefix with its current branch, and its last
+    branch alone: 1 + 1 + rows x (turns - 1) forwards instead of one per node and one per node's branches."""
+    from engine.shared_replay import branch_length, forest, schedule, shared_tokens
+
+    rows, turns, K, L, obs = 4, 4, 4, 8, 12  # a branch (1 + K + L = 13) fits in a next prefix (20)
+    c0 = list(range(10, 60))
+    P, Z, A, R = [], [], [], []
+    ctx = [list(c0) for _ in range(rows)]
+    for t in range(turns):
+        for r in range(rows):
+            a = [100 + 10 * r + t] * L
+            P.append(list(ctx[r]))
+            Z.append(torch.zeros(K, 4))
+            A.append(a)
+            R.append(r)
+            ctx[r] += a + [200 + r] * obs
+    nodes = forest(P, R)
+    batches = schedule(nodes, [branch_length(z, a) for z, a in zip(Z, A)])
+    assert len(batches) == 1 + 1 + rows * (turns - 1)
+    assert [(b.base, len(b.items)) for b in batches[:2]] == [(-1, 1), (0, 2 * rows)]
+    assert all(b.T == L + obs for b in batches[1:] if any(k == "node" for k, _ in b.items))
+    turns_seen = sorted(i for b in batches for k, i in b.items if k == "turn")
+    assert turns_seen == list(range(rows * turns))
+    assert shared_tokens(P, Z, A, R) == sum(len(b.items) * b.T for b in batches) < sum(
+        len(p) + K + len(a) + 1 for p, a in zip(P, A))
+
+
 def test_pack_shared_keeps_groups_whole_splits_an_oversized_group_into_rows_and_is_deterministic():
     from engine.shared_replay import pack_shared, shared_tokens
 

@@ -294,6 +294,8 @@ def main(argv=None) -> dict:
             torch.cuda.empty_cache()
             res["shapes"].append(row)
             print(json.dumps(row), flush=True)
+            if a.out:  # what is done so far survives a later part's failure
+                Path(a.out).write_text(json.dumps(res, indent=1))
         if len(grads) == 2:  # the two paths' BF16 gradients against each other (the FP32 gate: part 3)
             num = sum(float((x - y).pow(2).sum()) for x, y in zip(grads["on"], grads["off"])) ** 0.5
             den = sum(float(y.pow(2).sum()) for y in grads["off"]) ** 0.5

@@ -367,7 +367,9 @@ def checkpointed_layers(model, context=None, keeps: str = "inputs"):
             def stateful(hidden, *st, _rest=args[1:], _kw=kwargs):
                 SR.set_state(cl, st or None)
                 out = _run(hidden, *_rest, **_kw)
-                return (out, *SR.get_state(cl))
+                new = SR.get_state(cl)
+                SR.set_state(cl, None)  # the checkpoint keeps this closure: it must not keep the (recomputed) state
+                return (out, *new)
 
             res = checkpoint(stateful, args[0], *(state or ()), use_reentrant=False, **extra)
             SR.set_state(cl, tuple(res[1:]))

@@ -24,7 +24,6 @@ micro-batch scores bit for bit the same twice (the two-pass replay-determinism g
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
@@ -52,7 +51,7 @@ def _conv_update(layer, conv_states: torch.Tensor, state_idx: int = 0, conv_kern
         if full.shape[-1] < k:
             full = torch.nn.functional.pad(full, (k - full.shape[-1], 0))
     layer.conv_kernel_size[state_idx] = k
-    layer.conv_states[state_idx] = full[..., -k:]
+    layer.conv_states[state_idx] = full[..., -k:].contiguous()  # a copy: a view would keep all of `full` alive
     layer.is_conv_states_initialized[state_idx] = layer.has_previous_state[state_idx] = True
     layer.device, layer.dtype = full.device, full.dtype
     return full
@@ -62,6 +61,21 @@ def _recurrent_update(layer, recurrent_states: torch.Tensor, state_idx: int = 0,
     layer.recurrent_states[state_idx] = recurrent_states
     layer.is_recurrent_states_initialized[state_idx] = True
     return recurrent_states
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _functional_class(cls: type) -> type:
+    """`cls` (a transformers linear-attention cache layer) with the conv and recurrent updates by assignment. A
+    subclass rather than bound methods on the instance: those would form layer <-> method reference cycles that keep
+    the layer's state tensors (GBs at the 27B width) alive until Python's cycle collector happens to run."""
+    if cls.__dict__.get("_lgrpo_functional"):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Functional{cls.__name__}", (cls,), {
+            "_lgrpo_functional": True, "update_conv_state": _conv_update, "update_recurrent_state": _recurrent_update})
+    return _CLASSES[cls]
 
 
 def is_linear(layer) -> bool:
@@ -105,33 +119,31 @@ def set_state(layer, state) -> None:
     layer.device = state[0].device
 
 
-def functional_cache(config, states: list | None = None):
+def functional_cache(config, states: list | None = None, repeat: int = 1):
     """A DynamicCache for `config` whose GDN layers update by assignment, optionally holding `states` (per layer,
-    get_state's form; tensors are used as they are: several caches may share them). Marked `_lgrpo_functional`, so
-    checkpointed_layers threads its layers' states through each checkpoint."""
+    get_state's form; tensors are used as they are: several caches may share them) repeated to batch `repeat`
+    (gradients of the rows sum into the shared state): broadcast views, except the GDN recurrent state, copied
+    contiguous because fla's kernels address an initial state as contiguous memory (the attention K/V and the conv
+    state are only read by a concatenation). Marked `_lgrpo_functional`, so checkpointed_layers threads its layers'
+    states through each checkpoint."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=config)
     for i, layer in enumerate(cache.layers):
-        if is_linear(layer):
-            layer.update_conv_state = partial(_conv_update, layer)
-            layer.update_recurrent_state = partial(_recurrent_update, layer)
-        if states is not None:
-            set_state(layer, states[i])
+        linear = is_linear(layer)
+        if linear:
+            layer.__class__ = _functional_class(type(layer))  # methods on a class: no layer <-> method cycle
+        st = None if states is None else states[i]
+        if st is not None and repeat > 1:
+            a, b = (t.expand(repeat, *t.shape[1:]) for t in st)
+            st = (a, b.contiguous() if linear else b)
+        set_state(layer, st)
     cache._lgrpo_functional = True
     return cache
 
 
 def cache_states(cache) -> list:
     return [get_state(layer) for layer in cache.layers]
-
-
-def expand_states(states: list, B: int) -> list:
-    """Each state repeated to batch B (gradients of the B rows sum into the shared state). Contiguous copies, not
-    broadcast views: fla's kernels address an initial state as contiguous memory."""
-    if B == 1:
-        return states
-    return [None if st is None else tuple(t.expand(B, *t.shape[1:]).contiguous() for t in st) for st in states]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -314,12 +326,14 @@ def score_turns_shared(model, prefixes: list[list[int]], thoughts: list[torch.Te
         for b, sq in enumerate(seqs):
             x[b, : sq.shape[0]] = sq  # right padding (branches only): causal, so nothing before it changes
         pos = torch.arange(bt.start, bt.start + bt.T, device=dev)[None].expand(n, bt.T)
-        cache = functional_cache(cfg, None if bt.base < 0 else expand_states(states[bt.base], n))
+        cache = functional_cache(cfg, None if bt.base < 0 else states[bt.base], repeat=n)
         hid = text(inputs_embeds=x, position_ids=pos, **cache_kw(cache), use_cache=True).last_hidden_state
         out = cache_states(cache)
         for b, (kind, i) in enumerate(bt.items):
-            if kind == "node":  # a prefix forwarded unpadded: its state is exact; row b of the batch's states
-                states[i] = out if n == 1 else [None if st is None else tuple(t[b:b + 1] for t in st) for st in out]
+            if kind == "node":  # a prefix forwarded unpadded: its state is exact; row b of the batch's states (a
+                # copy: a view would keep the whole batch's K/V alive until backward)
+                states[i] = out if n == 1 else [None if st is None else tuple(t[b:b + 1].clone() for t in st)
+                                                for st in out]
                 continue
             L = len(answers[i])
             if K:

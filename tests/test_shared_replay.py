@@ -130,6 +130,55 @@ def test_workers_get_whole_groups_with_share_prefix():
     assert sorted(i for ids in by_turn.values() for i in ids) == list(range(16))
 
 
+@pytest.mark.parametrize("tier", ["keep", "checkpoint"])
+def test_states_are_freed_by_reference_counting_not_left_to_the_cycle_collector(tier, monkeypatch):
+    """Every state tensor a shared scoring makes (forward and checkpoint recompute: K/V, conv and recurrent states)
+    is freed once backward is done, with Python's cycle collector off: at the 27B width a reference cycle (a cache
+    layer <-> its bound update method, a checkpoint's closure holding the recomputed state) kept ~27 GB alive until
+    the collector happened to run (bench/results/h100-replay-27b-shared-prefix-2026-12-06.json: the second run's
+    preflight saw 43.7 GB resident instead of 16.9)."""
+    import gc
+    import weakref
+
+    from transformers.cache_utils import DynamicLayer
+
+    from configs.schema import ReplayConfig
+    from engine import shared_replay as SR
+    from engine.replay import score_microbatch
+
+    model = _model("dora", "float32")
+    eng, turns = _Eng(model), episodes()
+    idx = list(range(len(turns.rows)))
+    rc = ReplayConfig(share_prefix=True, keep_graph_tokens=0 if tier == "checkpoint" else None)
+    with torch.no_grad():
+        score_microbatch(eng, turns, idx, 1.0, 0.05, tier, rc)  # creates the functional layer classes
+    refs = []
+
+    def recording(fn):
+        def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            refs.extend(weakref.ref(t) for t in (out if isinstance(out, tuple) else (out,)))
+            return out
+        return call
+
+    for cls in SR._CLASSES.values():
+        monkeypatch.setattr(cls, "update_conv_state", recording(SR._conv_update))
+        monkeypatch.setattr(cls, "update_recurrent_state", recording(SR._recurrent_update))
+    monkeypatch.setattr(DynamicLayer, "update", recording(DynamicLayer.update))
+    gc.collect()
+    gc.disable()
+    try:
+        _zero(model)
+        with torch.enable_grad():
+            a, q = score_microbatch(eng, turns, idx, 1.0, 0.05, tier, rc)
+        _objective(a, q, idx).backward()
+        del a, q
+        alive = sum(r() is not None for r in refs)
+    finally:
+        gc.enable()
+    assert len(refs) > 50 and alive == 0, (len(refs), alive)
+
+
 @pytest.mark.parametrize("adapter_type", ["lora", "dora"])
 def test_shared_scores_and_gradients_equal_the_per_turn_path_in_every_tier(adapter_type):
     """FP32: values to ~1e-6 and gradients to relative L2 ~1e-6 of the per-turn kept graph (a chunked recurrence
@@ -274,7 +323,7 @@ def test_shared_replay_on_the_gpu_kernels_matches_the_per_turn_pytorch_path():
         rc = ReplayConfig(share_prefix=share, logprob_chunk=300, keep_graph_tokens=0)  # checkpoint tier
         with torch.enable_grad():
             a, q = score_microbatch(eng, turns, idx, 1.0, 0.05, "checkpoint", rc)
-        _objective(a, q, idx).backward()
+        _objective([x.cpu() for x in a], q.cpu(), idx).backward()
         out[label] = ([x.detach().cpu() for x in a], _grads(model), chosen)
     gdn.install("auto", config, dev)
     ra, rg, _ = out["reference"]

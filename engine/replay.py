@@ -111,6 +111,7 @@ class ReplayPlan:
     base_bytes: float | None = None
     costs: TokenCosts | None = None
     graphs: list[str] | None = None  # one-pass plans: each micro-batch's graph in flight (GRAPHS)
+    extra_bytes: list[float] | None = None  # per micro-batch, beside its tokens (replay.share_prefix: shared states)
 
     @property
     def one_pass(self) -> bool:
@@ -122,6 +123,8 @@ class ReplayPlan:
                "tier_microbatches": {t: self.tiers.count(t) for t in TIERS}}
         if self.graphs is not None:
             out["one_pass_graphs"] = {g: self.graphs.count(g) for g in GRAPHS}
+        if self.extra_bytes:
+            out["state_gb"] = round(sum(self.extra_bytes) / GiB, 3)
         if self.est_peak_bytes is not None:
             out["est_peak_gb"] = round(self.est_peak_bytes / GiB, 3)
         if self.budget_bytes is not None:
@@ -171,8 +174,9 @@ def plan_replay(lengths: list[int], rc, costs: TokenCosts | None = None, base_by
     one_pass: every micro-batch is back-propagated inside replay right after its forward (nothing kept across
     micro-batches); its graph keeps everything when that fits in flight, else it is checkpointed. See plan_one_pass.
 
-    packer: max_tokens -> (micro-batches, their token counts) instead of `pack` by padded turn lengths (replay.share_prefix:
-    engine.shared_replay.pack_shared, whole groups counted by the tokens they forward)."""
+    packer: max_tokens -> (micro-batches, their token counts[, bytes each keeps beside its tokens]) instead of `pack`
+    by padded turn lengths (replay.share_prefix: engine.shared_replay.pack_shared, whole groups counted by the tokens
+    they forward, plus the shared states they keep until backward)."""
     if not lengths:
         return ReplayPlan([], [], [])
     known = budget_bytes is not None and costs is not None
@@ -185,8 +189,9 @@ def plan_replay(lengths: list[int], rc, costs: TokenCosts | None = None, base_by
         if known:  # the micro-batch in flight takes at most transient_share of the free memory
             room = (budget_bytes - base_bytes - costs.fixed) * rc.transient_share
             mb_tokens = max(1, min(mb_tokens, int(room / max(costs.transient, 1.0))))
-    mbs, tokens = packer(mb_tokens)
-    plan = ReplayPlan(mbs, tokens, ["keep"] * len(mbs), budget_bytes=budget_bytes, base_bytes=base_bytes, costs=costs)
+    mbs, tokens, extra = _packed(packer, mb_tokens)
+    plan = ReplayPlan(mbs, tokens, ["keep"] * len(mbs), budget_bytes=budget_bytes, base_bytes=base_bytes, costs=costs,
+                      extra_bytes=extra)
     inf = float("inf")
     if not known:
         keep_cap = inf if rc.keep_graph_tokens is None else rc.keep_graph_tokens
@@ -204,6 +209,11 @@ def plan_replay(lengths: list[int], rc, costs: TokenCosts | None = None, base_by
 
 _SHARED_HINT = (" (with replay.share_prefix a row's turns share one micro-batch; set it to false to replay "
                 "them one by one)")
+
+
+def _packed(packer, max_tokens: int) -> tuple[list[list[int]], list[int], list[float] | None]:
+    out = packer(max_tokens)
+    return (out[0], out[1], out[2] if len(out) > 2 else None)
 
 
 def _turn_packer(lengths: list[int]):
@@ -226,16 +236,17 @@ def plan_one_pass(lengths: list[int], rc, costs: TokenCosts | None, base_bytes: 
         mb_tokens = rc.auto_microbatch_tokens
         if costs is not None:
             mb_tokens = max(1, min(mb_tokens, int(room / max(costs.checkpoint + costs.transient, 1.0))))
-    mbs, tokens = (packer or _turn_packer(lengths))(mb_tokens)
+    mbs, tokens, extra = _packed(packer or _turn_packer(lengths), mb_tokens)
     plan = ReplayPlan(mbs, tokens, ["one_pass"] * len(mbs), budget_bytes=budget_bytes, base_bytes=base_bytes,
-                      costs=costs, graphs=["keep"] * len(mbs))
+                      costs=costs, graphs=["keep"] * len(mbs), extra_bytes=extra)
+    extra = extra or [0.0] * len(mbs)
     if costs is None:  # no budget (the CPU default): every graph in full
         return plan
     peak = 0.0
     for j, n in enumerate(tokens):
-        need = (costs.keep + costs.transient) * n
+        need = (costs.keep + costs.transient) * n + extra[j]
         if need > room:
-            plan.graphs[j], need = "checkpoint", (costs.checkpoint + costs.transient) * n
+            plan.graphs[j], need = "checkpoint", (costs.checkpoint + costs.transient) * n + extra[j]
         if need > room:
             longest = max(lengths[i] for i in mbs[j])
             what = (f"one turn of {longest} tokens needs {need / GiB:.1f} GiB checkpointed in flight: shorten "
@@ -255,7 +266,9 @@ def _assign(plan: ReplayPlan, tokens: list[int], lengths: list[int], rc, costs: 
     """plan_replay's tiers against a budget: the peak is resident + kept graphs + the largest micro-batch in flight
     (plus, when two-pass micro-batches may be in flight, a re-forward's checkpointed graph)."""
     per_token = costs.transient + (costs.checkpoint if two_pass_in_flight else 0.0)
-    transient = per_token * max(tokens) + costs.fixed
+    extra = plan.extra_bytes or [0.0] * len(tokens)
+    # the micro-batch in flight (a two-pass re-forward: with its shared states, which it keeps until its backward)
+    transient = max(per_token * n + (e if two_pass_in_flight else 0.0) for n, e in zip(tokens, extra)) + costs.fixed
     if base_bytes + transient > budget_bytes:
         longest = max(lengths)
         what = (f"one turn of {longest} tokens needs {transient / GiB:.1f} GiB in flight: shorten episodes "
@@ -269,10 +282,11 @@ def _assign(plan: ReplayPlan, tokens: list[int], lengths: list[int], rc, costs: 
     for j, n in enumerate(tokens):
         cum += n
         room = budget_bytes - base_bytes - transient - kept
-        if (cum <= rc.keep_graph_tokens) if rc.keep_graph_tokens is not None else costs.keep * n <= room:
-            plan.tiers[j], kept = "keep", kept + costs.keep * n
-        elif (cum <= rc.checkpoint_tokens) if rc.checkpoint_tokens is not None else costs.checkpoint * n <= room:
-            plan.tiers[j], kept = "checkpoint", kept + costs.checkpoint * n
+        e = extra[j]  # shared states: kept with the graph until backward
+        if (cum <= rc.keep_graph_tokens) if rc.keep_graph_tokens is not None else costs.keep * n + e <= room:
+            plan.tiers[j], kept = "keep", kept + costs.keep * n + e
+        elif (cum <= rc.checkpoint_tokens) if rc.checkpoint_tokens is not None else costs.checkpoint * n + e <= room:
+            plan.tiers[j], kept = "checkpoint", kept + costs.checkpoint * n + e
         else:
             plan.tiers[j] = "two_pass"
     plan.est_peak_bytes = base_bytes + kept + transient
@@ -514,18 +528,26 @@ def plan_for(engine, turns: Turns, rc, temperature: float, sigma: float, one_pas
             costs = (measure_costs(engine, turns, rc, temperature, sigma) if engine.device.type == "cuda"
                      else estimate_costs(engine.model))
             engine._replay_costs = costs
-    return plan_replay(turns.lengths(), rc, costs, resident, budget, one_pass, packer_for(turns, rc))
+    return plan_replay(turns.lengths(), rc, costs, resident, budget, one_pass, packer_for(turns, rc, engine.model))
 
 
-def packer_for(turns: Turns, rc):
+def packer_for(turns: Turns, rc, model=None):
     """plan_replay's packer for rc: None (whole turns by padded length) or, with replay.share_prefix, whole groups
-    by the tokens a prefix-shared scoring forwards (engine.shared_replay.pack_shared)."""
+    by the tokens a prefix-shared scoring forwards (engine.shared_replay.pack_shared), with the bytes of the shared
+    states each keeps when the `model` is given."""
     if not rc.share_prefix:
         return None
     from engine.shared_replay import pack_shared
 
+    config = None
+    if model is not None:
+        text, _, emb = M._parts(model)
+        config, b = text.config, torch.finfo(emb.weight.dtype).bits // 8
+
     def packer(max_tokens: int):
-        return pack_shared(turns.prefixes, turns.thoughts, turns.answers, turns.rows, max_tokens)
+        if config is None:
+            return pack_shared(turns.prefixes, turns.thoughts, turns.answers, turns.rows, max_tokens)
+        return pack_shared(turns.prefixes, turns.thoughts, turns.answers, turns.rows, max_tokens, config, b)
 
     return packer
 

@@ -257,11 +257,31 @@ def units(prefixes: list[list[int]], rows: list[int]) -> list[list[int]]:
     return sorted((sorted(t) for t in trees.values()), key=lambda t: t[0])
 
 
-def pack_shared(prefixes, thoughts, answers, rows, max_tokens: int) -> tuple[list[list[int]], list[int]]:
+def state_bytes(config, nodes: list[Node], batches: list[Batch], dtype_bytes: int = 2) -> float:
+    """Bytes of the shared states a scoring keeps until backward, on top of its tokens' per-token costs: every node's
+    state (the attention K/V of its whole prefix, each GDN layer's conv state and FP32 recurrent state), and the
+    recurrent state repeated for each batch of several rows (a contiguous copy; K/V and conv states are repeated as
+    views)."""
+    kinds = list(config.layer_types)
+    n_attn = sum(k != LINEAR for k in kinds)
+    n_lin = len(kinds) - n_attn
+    kv_per_token = n_attn * 2 * config.num_key_value_heads * config.head_dim * dtype_bytes
+    C = 2 * config.linear_num_key_heads * config.linear_key_head_dim \
+        + config.linear_num_value_heads * config.linear_value_head_dim
+    conv = n_lin * C * config.linear_conv_kernel_dim * dtype_bytes
+    rec = n_lin * config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+    total = sum(kv_per_token * nd.end + conv + rec for nd in nodes)
+    return float(total + sum(rec * len(b.items) for b in batches if b.base >= 0 and len(b.items) > 1))
+
+
+def pack_shared(prefixes, thoughts, answers, rows, max_tokens: int, config=None, dtype_bytes: int = 2
+                ) -> tuple[list[list[int]], list[int]] | tuple[list[list[int]], list[int], list[float]]:
     """Micro-batches of whole trees (a group shares its prompt only inside one micro-batch) by shared token count,
     largest first onto the first micro-batch with room; a tree over max_tokens is split into its rows (each row's
     turns still share their prefixes), and a row over it gets a micro-batch of its own. Returns (micro-batches of turn
-    indices, each sorted; their shared token counts). Deterministic in its inputs."""
+    indices, each sorted; their shared token counts) and, given the model's `config` (and its activations' bytes per
+    element), each one's `state_bytes`.
+    Deterministic in its inputs."""
     def count(idx):
         return shared_tokens([prefixes[i] for i in idx], [thoughts[i] for i in idx], [answers[i] for i in idx],
                              [rows[i] for i in idx])
@@ -288,7 +308,14 @@ def pack_shared(prefixes, thoughts, answers, rows, max_tokens: int) -> tuple[lis
             bins.append(list(pieces[k]))
             load.append(sizes[k])
     mbs = [sorted(b) for b in bins]
-    return mbs, [count(b) for b in mbs]
+    if config is None:
+        return mbs, [count(b) for b in mbs]
+    extra = []
+    for b in mbs:
+        nodes = forest([prefixes[i] for i in b], [rows[i] for i in b])
+        sched = schedule(nodes, [branch_length(thoughts[i], answers[i]) for i in b])
+        extra.append(state_bytes(config, nodes, sched, dtype_bytes))
+    return mbs, [count(b) for b in mbs], extra
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ def pipeline_gradients(cfg, engine, li: LossInputs, costs=None, budget: float | 
     li = copy.copy(li)
     _zero(engine.model)
     live, lp_turn = [], [None] * len(li.rows)
-    plan = plan_replay(li.turns.lengths(), cfg.replay, costs, 0.0, budget, packer=packer_for(li.turns, cfg.replay))
+    plan = plan_replay(li.turns.lengths(), cfg.replay, costs, 0.0, budget, packer=packer_for(li.turns, cfg.replay, engine.model))
     for idx, tier in zip(plan.microbatches, plan.tiers):
         with torch.set_grad_enabled(tier != "two_pass"):
             a, q = engine.score(li.turns, idx, cfg.sampler.temperature, li.sigma, tier, cfg.replay)

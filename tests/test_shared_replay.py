@@ -339,3 +339,37 @@ def test_shared_replay_on_the_gpu_kernels_matches_the_per_turn_pytorch_path():
           f" per turn {da_t:.2e} / {rel_t:.2e}, shared {da_s:.2e} / {rel_s:.2e}")
     assert da_s <= 2 * da_t + 1e-5 and rel_s <= 2 * rel_t + 1e-5
     assert rel_s < gdn.QUALIFY_REL_L2
+
+
+def test_preflight_counts_the_shared_states_a_micro_batch_keeps():
+    """state_bytes matches the tensors one node's state really holds (K/V of its prefix, conv and recurrent states),
+    and plan_replay adds each shared micro-batch's states to what its tier keeps: the estimate rises by exactly
+    that, and a budget that fits the tokens but not the states is refused naming the setting."""
+    from configs.schema import ReplayConfig
+    from engine import model as M
+    from engine import shared_replay as SR
+    from engine.replay import ReplayMemoryError, TokenCosts, packer_for, plan_replay
+
+    model = _model("dora", "float32")
+    text = M._parts(model)[0]
+    turns = episodes(groups=2)
+    nodes = SR.forest(turns.prefixes[:1], turns.rows[:1])
+    cache = SR.functional_cache(text.config)
+    with torch.no_grad():
+        text(input_ids=torch.tensor([turns.prefixes[0]]), **M.cache_kw(cache), use_cache=True)
+    held = sum(t.numel() * t.element_size() for st in SR.cache_states(cache) if st is not None for t in st)
+    assert SR.state_bytes(text.config, nodes, [], dtype_bytes=4) == held
+
+    rc = ReplayConfig(share_prefix=True, keep_graph_tokens=0)
+    costs = TokenCosts(keep=4e6, checkpoint=1e4, transient=2e4, source="config")
+    bare = plan_replay(turns.lengths(), rc, costs, 0.0, 1e12, packer=packer_for(turns, rc))
+    full = plan_replay(turns.lengths(), rc, costs, 0.0, 1e12, packer=packer_for(turns, rc, model))
+    assert bare.microbatches == full.microbatches and bare.tokens == full.tokens
+    assert full.extra_bytes and all(e > 0 for e in full.extra_bytes)
+    assert full.est_peak_bytes == pytest.approx(bare.est_peak_bytes + sum(full.extra_bytes))
+    assert full.summary()["state_gb"] > 0
+    tight = bare.est_peak_bytes + 0.5 * sum(full.extra_bytes)
+    plan_replay(turns.lengths(), rc, costs, 0.0, tight, packer=packer_for(turns, rc))  # tokens alone fit
+    one = ReplayConfig(share_prefix=True, keep_graph_tokens=0, checkpoint_tokens=10**9, microbatch_tokens=10**6)
+    with pytest.raises(ReplayMemoryError, match="replay.checkpoint_tokens"):
+        plan_replay(turns.lengths(), one, costs, 0.0, tight, packer=packer_for(turns, one, model))

@@ -8,8 +8,9 @@ shape (4 rows x 4 turns, a 3,072-token prompt, ~200 tokens per turn) ~55k tokens
 Here the turns of a micro-batch form a forest of distinct prefixes (`forest`): a node is one distinct turn prefix,
 its parent the same row's previous turn prefix when that is a prefix of it. Each node is forwarded once from its
 parent's state (the new tokens only), and each turn's branch -- <think>, its thoughts, </think> and its answer --
-from its node's state; forwards from one state share a batch (`schedule`: equal-length children unpadded, branches
-right-padded -- causal, so the padding after a branch changes nothing before it). States carry gradients: the attention K/V and the
+from its node's state; forwards run in waves and share batches (`schedule`: equal-length prefixes unpadded whatever
+their parents, with their states stacked and the K/V left-padded and masked; branches right-padded -- causal, so the
+padding after a branch changes nothing before it). States carry gradients: the attention K/V and the
 Gated DeltaNet conv and recurrent states live in a transformers DynamicCache whose linear-attention layers are
 updated by assignment instead of in place (`functional_cache`), so autograd follows them from every branch back
 into the shared prefix, and activation checkpointing per decoder layer threads each layer's state through the
@@ -142,6 +143,26 @@ def functional_cache(config, states: list | None = None, repeat: int = 1):
     return cache
 
 
+def stack_states(config, rows: list[list], starts: list[int]) -> list:
+    """Per layer, the states of several rows stacked into one batch: GDN conv and recurrent states concatenated, the
+    attention K/V left-padded with zeros to the longest prefix (starts: each row's prefix length; the caller masks the
+    padding). Rows may repeat one state (gradients sum into it)."""
+    kinds = list(config.layer_types)
+    P = max(starts)
+    out = []
+    for i, kind in enumerate(kinds):
+        parts = [r[i] for r in rows]
+        if any(st is None for st in parts):
+            raise ValueError("stack_states: a row without a state (rows from the empty state share one base)")
+        if kind == LINEAR:
+            out.append((torch.cat([st[0] for st in parts]), torch.cat([st[1] for st in parts]).contiguous()))
+        else:
+            pad = [torch.nn.functional.pad(st[0], (0, 0, P - n, 0)) for st, n in zip(parts, starts)]
+            padv = [torch.nn.functional.pad(st[1], (0, 0, P - n, 0)) for st, n in zip(parts, starts)]
+            out.append((torch.cat(pad), torch.cat(padv)))
+    return out
+
+
 def cache_states(cache) -> list:
     return [get_state(layer) for layer in cache.layers]
 
@@ -198,41 +219,55 @@ def branch_length(thoughts: torch.Tensor, answer: list[int]) -> int:
 
 @dataclass
 class Batch:
-    """One forward: `items` -- ("node", i): node i's new tokens, unpadded (its state is kept); ("turn", j): turn j's
-    branch, right-padded to T -- all from node `base`'s state (-1: the empty state) at position `start`."""
+    """One forward of T positions: `items` -- ("node", i): node i's new tokens, unpadded (its state is kept);
+    ("turn", j): turn j's branch, right-padded to T -- each from its base node's state (`bases`, per item; -1: the
+    empty state), positions continuing from that node's end."""
 
-    base: int
-    start: int
     T: int
     items: list[tuple[str, int]]
+    bases: list[int]
 
 
-def schedule(nodes: list[Node], branch_lengths: list[int]) -> list[Batch]:
-    """The forwards of a prefix-shared scoring, in an order where every base state exists before it is used.
+# a forward's fixed cost in tokens' worth of work (launches, NF4 dequantisation of every weight): branches join a longer
+# batch when the padding that costs is at most this; a guess until measured on the GPU (bench/shared_replay_profile.py)
+JOIN_PADDING_TOKENS = 256
 
-    From one node's state: its children of equal length go in one batch (no padding, so their states are exact), and
-    its turns' branches join the batch of its longest children when they fit in that length (right-padded: only the
-    positions before the padding are read), else form a batch of their own. So a row's next prefix and its current
-    turn's branch share one forward (the prefix, answer plus tool result, is the longer), as do a group's first turns
-    and the rows' second prefixes when those have equal lengths. Roots are forwarded alone from the empty state."""
+
+def schedule(nodes: list[Node], branch_lengths: list[int], join_padding: int = JOIN_PADDING_TOKENS) -> list[Batch]:
+    """The forwards of a prefix-shared scoring, in waves: a wave runs everything whose base state the previous wave
+    made (roots first, from the empty state).
+
+    In a wave, nodes of equal new length go in one batch (no padding, so their states are exact), whatever their
+    parents, and the wave's branches join the batch of its longest nodes when they fit in that length (right-padded:
+    only the positions before the padding are read) and the padding is at most `join_padding` tokens, else form a
+    batch of their own. So at the recipe shape (equal
+    answer and tool lengths) a group takes 5 forwards: the prompt; every row's first branch with every row's second
+    prefix; then twice every row's next prefix with its current branch; the last branches."""
     out: list[Batch] = []
     kids: dict[int, list[int]] = {}
     for i, nd in enumerate(nodes):
         kids.setdefault(nd.parent, []).append(i)
-    for n, nd in enumerate(nodes):
-        if nd.parent < 0:
-            out.append(Batch(-1, 0, nd.end, [("node", n)]))
+    wave = [-1]  # the bases whose states the next wave may use
+    while wave:
+        made: list[int] = []
         by_len: dict[int, list[int]] = {}
-        for c in kids.get(n, []):
-            by_len.setdefault(nodes[c].end - nodes[c].start, []).append(c)
-        groups = [Batch(n, nd.end, T, [("node", c) for c in cs]) for T, cs in sorted(by_len.items(), reverse=True)]
-        if nd.turns:
-            Tb = max(MIN_CHUNK, *(branch_lengths[j] for j in nd.turns))
-            if groups and groups[0].T >= Tb:
-                groups[0].items += [("turn", j) for j in nd.turns]
+        for base in wave:
+            for c in kids.get(base, []):
+                by_len.setdefault(nodes[c].end - nodes[c].start, []).append(c)
+        groups = [Batch(T, [("node", c) for c in cs], [nodes[c].parent for c in cs])
+                  for T, cs in sorted(by_len.items(), reverse=True)]
+        turns = [(j, base) for base in wave if base >= 0 for j in nodes[base].turns]
+        if turns:
+            Tb = max(MIN_CHUNK, *(branch_lengths[j] for j, _ in turns))
+            if groups and groups[0].T >= Tb and len(turns) * (groups[0].T - Tb) <= join_padding:
+                groups[0].items += [("turn", j) for j, _ in turns]
+                groups[0].bases += [base for _, base in turns]
             else:
-                groups.append(Batch(n, nd.end, Tb, [("turn", j) for j in nd.turns]))
+                groups.append(Batch(Tb, [("turn", j) for j, _ in turns], [base for _, base in turns]))
+        for g in groups:
+            made += [i for k, i in g.items if k == "node"]
         out.extend(groups)
+        wave = sorted(made)
     return out
 
 
@@ -260,8 +295,8 @@ def units(prefixes: list[list[int]], rows: list[int]) -> list[list[int]]:
 def state_bytes(config, nodes: list[Node], batches: list[Batch], dtype_bytes: int = 2) -> float:
     """Bytes of the shared states a scoring keeps until backward, on top of its tokens' per-token costs: every node's
     state (the attention K/V of its whole prefix, each GDN layer's conv state and FP32 recurrent state), and the
-    recurrent state repeated for each batch of several rows (a contiguous copy; K/V and conv states are repeated as
-    views)."""
+    recurrent state repeated for each batch of several rows of one base (a contiguous copy; K/V and conv states are
+    repeated as views), and every state stacked for a batch of several bases (copies, K/V left-padded)."""
     kinds = list(config.layer_types)
     n_attn = sum(k != LINEAR for k in kinds)
     n_lin = len(kinds) - n_attn
@@ -271,7 +306,14 @@ def state_bytes(config, nodes: list[Node], batches: list[Batch], dtype_bytes: in
     conv = n_lin * C * config.linear_conv_kernel_dim * dtype_bytes
     rec = n_lin * config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
     total = sum(kv_per_token * nd.end + conv + rec for nd in nodes)
-    return float(total + sum(rec * len(b.items) for b in batches if b.base >= 0 and len(b.items) > 1))
+    for b in batches:
+        distinct = set(b.bases) - {-1}
+        if len(distinct) == 1 and len(b.items) > 1:
+            total += rec * len(b.items)  # one base repeated: K/V and conv as views, the recurrent state copied
+        elif len(distinct) > 1:  # several bases stacked: copies, K/V left-padded to the longest prefix
+            longest = max(nodes[i].end for i in distinct)
+            total += (kv_per_token * longest + conv + rec) * len(b.items)
+    return float(total)
 
 
 def pack_shared(prefixes, thoughts, answers, rows, max_tokens: int, config=None, dtype_bytes: int = 2
@@ -352,15 +394,29 @@ def score_turns_shared(model, prefixes: list[list[int]], thoughts: list[torch.Te
         x = seqs[0].new_zeros(n, bt.T, seqs[0].shape[1])
         for b, sq in enumerate(seqs):
             x[b, : sq.shape[0]] = sq  # right padding (branches only): causal, so nothing before it changes
-        pos = torch.arange(bt.start, bt.start + bt.T, device=dev)[None].expand(n, bt.T)
-        cache = functional_cache(cfg, None if bt.base < 0 else states[bt.base], repeat=n)
-        hid = text(inputs_embeds=x, position_ids=pos, **cache_kw(cache), use_cache=True).last_hidden_state
+        starts = [0 if base < 0 else nodes[base].end for base in bt.bases]
+        pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(bt.T, device=dev)[None]
+        P = max(starts)
+        mask = None
+        distinct = sorted(set(bt.bases))
+        if len(distinct) == 1:
+            cache = functional_cache(cfg, None if distinct[0] < 0 else states[distinct[0]], repeat=n)
+        else:
+            cache = functional_cache(cfg, stack_states(cfg, [states[base] for base in bt.bases], starts))
+            if min(starts) != P:  # K/V left-padded to the longest prefix: mask the padding out
+                keep = torch.arange(P + bt.T, device=dev)[None, :] >= (P - torch.tensor(starts, device=dev))[:, None]
+                causal = torch.ones(bt.T, P + bt.T, dtype=torch.bool, device=dev).tril(P)
+                mask = {"full_attention": (keep[:, None, :] & causal[None])[:, None], "linear_attention": None}
+        kw = {} if mask is None else {"attention_mask": mask}
+        hid = text(inputs_embeds=x, position_ids=pos, **cache_kw(cache), use_cache=True, **kw).last_hidden_state
         out = cache_states(cache)
         for b, (kind, i) in enumerate(bt.items):
             if kind == "node":  # a prefix forwarded unpadded: its state is exact; row b of the batch's states (a
-                # copy: a view would keep the whole batch's K/V alive until backward)
-                states[i] = out if n == 1 else [None if st is None else tuple(t[b:b + 1].clone() for t in st)
-                                                for st in out]
+                # copy: a view would keep the whole batch's K/V alive until backward), K/V without the left padding
+                states[i] = out if n == 1 else [
+                    None if st is None else tuple((t[b:b + 1] if kind_ == LINEAR else t[b:b + 1, :, P - starts[b]:])
+                                                  .clone() for t in st)
+                    for kind_, st in zip(cfg.layer_types, out)]
                 continue
             L = len(answers[i])
             if K:

@@ -43,10 +43,15 @@ def test_pipeline_gradients_match_the_fp32_reference(trajectory, share_prefix):
     ref = reference_gradients(cfg, build(cfg, base, base, adapter_dir=adapter, dtype="float32"), li)
     assert sum(float(g.norm()) for g in ref.values()) > 0
     if share_prefix:
+        from engine.replay import plan_replay
+        from engine.shared_replay import forest
+
         t = li.turns
         shared = shared_tokens(t.prefixes, t.thoughts, t.answers, t.rows)
-        print(f"replayed tokens: {sum(t.lengths())} turn by turn, {shared} over shared prefixes")
-        assert shared < sum(t.lengths())  # the stored episodes do share prefixes
+        padded = sum(plan_replay(t.lengths(), cfg.replay).tokens)
+        print(f"replayed tokens: {padded} turn by turn (padded micro-batches), {shared} over shared prefixes")
+        assert len(forest(t.prefixes, t.rows)) < len(t.rows)  # the stored episodes do share prefixes
+        assert shared < padded
         cfg = cfg.model_copy(update={"replay": cfg.replay.model_copy(update={"share_prefix": True})})
     got = compare(pipeline_gradients(cfg, build(cfg, base, base, adapter_dir=adapter, dtype="float32"), li), ref)
     assert got["passed"] and got["rel_l2"] <= REL_L2_MAX and got["tensors_outside"] == 0, got

@@ -66,10 +66,10 @@ def test_forest_shares_a_groups_prompt_and_each_rows_earlier_turns():
     assert any(n.parent < 0 and n.prefix == tuple(p2[1]) for n in nodes2)
 
 
-def test_schedule_batches_a_rows_next_prefix_with_its_current_branch():
-    """Recipe-like group (equal answer and tool lengths): the prompt alone, then from it every row's first branch
-    with every row's second prefix in one batch, then per row its next prefix with its current branch, and its last
-    branch alone: 1 + 1 + rows x (turns - 1) forwards instead of one per node and one per node's branches."""
+def test_schedule_runs_a_recipe_group_in_turns_plus_one_forwards():
+    """Recipe-like group (equal answer and tool lengths): the prompt; then per wave every row's next prefix with every
+    row's current branch in one batch; the last branches: turns + 1 forwards. With unequal lengths the prefixes of a
+    wave split by length (each batch unpadded) and the branches join the longest."""
     from engine.shared_replay import branch_length, forest, schedule, shared_tokens
 
     rows, turns, K, L, obs = 4, 4, 4, 8, 12  # a branch (1 + K + L = 13) fits in a next prefix (20)
@@ -86,13 +86,21 @@ def test_schedule_batches_a_rows_next_prefix_with_its_current_branch():
             ctx[r] += a + [200 + r] * obs
     nodes = forest(P, R)
     batches = schedule(nodes, [branch_length(z, a) for z, a in zip(Z, A)])
-    assert len(batches) == 1 + 1 + rows * (turns - 1)
-    assert [(b.base, len(b.items)) for b in batches[:2]] == [(-1, 1), (0, 2 * rows)]
-    assert all(b.T == L + obs for b in batches[1:] if any(k == "node" for k, _ in b.items))
-    turns_seen = sorted(i for b in batches for k, i in b.items if k == "turn")
-    assert turns_seen == list(range(rows * turns))
+    assert len(batches) == turns + 1
+    assert [len(b.items) for b in batches] == [1] + [2 * rows] * (turns - 1) + [rows]
+    assert all(b.T == L + obs for b in batches[1:-1]) and batches[-1].T == 1 + K + L
+    made = {-1}
+    for b in batches:  # every base exists before it is used
+        assert set(b.bases) <= made
+        made |= {i for k, i in b.items if k == "node"}
+    assert sorted(i for b in batches for k, i in b.items if k == "turn") == list(range(rows * turns))
     assert shared_tokens(P, Z, A, R) == sum(len(b.items) * b.T for b in batches) < sum(
         len(p) + K + len(a) + 1 for p, a in zip(P, A))
+    t = episodes(groups=1, rows=3, turns=3)  # random lengths
+    nodes = forest(t.prefixes, t.rows)
+    for b in schedule(nodes, [branch_length(z, a) for z, a in zip(t.thoughts, t.answers)]):
+        assert len({nodes[i].end - nodes[i].start for k, i in b.items if k == "node"}) <= 1
+        assert all(branch_length(t.thoughts[j], t.answers[j]) <= b.T for k, j in b.items if k == "turn")
 
 
 def test_pack_shared_keeps_groups_whole_splits_an_oversized_group_into_rows_and_is_deterministic():

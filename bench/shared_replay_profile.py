@@ -26,6 +26,9 @@ def main(argv=None) -> dict:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--base", choices=["nf4", "bf16"], default="nf4")
+    p.add_argument("--width", choices=["27b", "small"], default="27b",
+                   help="small: a narrow model of the same layout (a CPU smoke test of this script)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
 
@@ -35,22 +38,30 @@ def main(argv=None) -> dict:
     from engine import gdn
     from engine import model as M
     from engine import shared_replay as SR
-    from engine.nf4 import quantize_nf4_
     from engine.replay import score_microbatch
     from recipe_27b import build_random, with_adapter
     from replay_27b import Eng, make_episodes
 
-    dev = torch.device("cuda")
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     cfg27 = load_config("qwen35-27b")
     arch = dict(cfg27.model.arch)
+    if a.width == "small":
+        arch.update(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                    linear_value_head_dim=64, vocab_size=1000)
     kinds = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
     arch.update(num_hidden_layers=a.layers, layer_types=[kinds[i % 4] for i in range(a.layers)])
     base = build_random(arch, arch["vocab_size"], dev, torch.bfloat16, 0)
-    quantize_nf4_(base)
+    if a.base == "nf4":
+        from engine.nf4 import quantize_nf4_
+
+        quantize_nf4_(base)
     model = with_adapter(base, cfg27.adapter, 0)
     res = {"args": vars(a), "versions": gdn.versions(), "gdn": gdn.install("auto", M._parts(model)[0].config, dev)}
     eng = Eng(model)
-    turns = make_episodes(4, 4, 16, 64, arch["hidden_size"], arch["vocab_size"], eng.scale, 4)
+    turns = make_episodes(4, 4, 16, 64, arch["hidden_size"], arch["vocab_size"], eng.scale, 4,
+                          **({} if a.width == "27b" else {"prompt": 300, "obs": 32}))
     idx = list(range(len(turns.rows)))
 
     def save():
@@ -61,7 +72,7 @@ def main(argv=None) -> dict:
     orig = SR.functional_cache
 
     def timed_cache(*args, **kw):  # called once per scheduled forward, before it runs
-        torch.cuda.synchronize()
+        sync()
         batch_s.append(time.perf_counter())
         return orig(*args, **kw)
 
@@ -70,15 +81,15 @@ def main(argv=None) -> dict:
         for p_ in model.parameters():
             p_.grad = None
         batch_s.clear()
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         with torch.enable_grad():
             an, q = score_microbatch(eng, turns, idx, 1.0, 0.05, "checkpoint", rc)
-        torch.cuda.synchronize()
+        sync()
         t1 = time.perf_counter()
         marks = batch_s + [t1]
         (sum(x.sum() for x in an) + q.sum() * 1e-3).backward()
-        torch.cuda.synchronize()
+        sync()
         t2 = time.perf_counter()
         return {"share": share, "forward_s": round(t1 - t0, 3), "backward_s": round(t2 - t1, 3),
                 "forwards_s": [round(y - x, 3) for x, y in zip(marks, marks[1:])] if share else None}
@@ -92,11 +103,12 @@ def main(argv=None) -> dict:
             print(json.dumps(row), flush=True)
             save()
     nodes = SR.forest(turns.prefixes, turns.rows)
-    res["schedule"] = [{"base": b.base, "T": b.T, "rows": len(b.items)} for b in
+    res["schedule"] = [{"bases": sorted(set(b.bases)), "T": b.T, "rows": len(b.items)} for b in
                        SR.schedule(nodes, [SR.branch_length(z, x) for z, x in zip(turns.thoughts, turns.answers)])]
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
         run(True)
     ka = prof.key_averages()
     res["top_cuda"] = [{"name": e.key[:90], "cuda_ms": round(e.device_time_total / 1e3, 2), "calls": e.count}

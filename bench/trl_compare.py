@@ -83,7 +83,7 @@ def project_arm(run_dir: str, steps: int, step_heartbeats: bool = False) -> dict
         shutil.rmtree(copy)
     shutil.copytree(run_dir, copy)
 
-    marks, stages = [], []
+    marks, stages, phases = [], [], []
 
     @flow(name="trl-compare-steps")
     def steps_flow() -> float:
@@ -93,13 +93,16 @@ def project_arm(run_dir: str, steps: int, step_heartbeats: bool = False) -> dict
                 m = step_flow(copy, s)
                 marks.append(time.perf_counter())
                 stages.append(sum(m["phases"].values()))
+                phases.append(m["phases"])
         marks.append(time.perf_counter())  # step_flows() has ended: queued artifacts were sent
         return sum(stages)
 
     t0 = time.perf_counter()
     stage = steps_flow()
+    later = phases[1:] or phases  # the first step pays first-call costs
+    mean = {k: round(sum(p.get(k, 0.0) for p in later) / len(later), 4) for k in sorted({k for p in later for k in p})}
     return {"wall_s": time.perf_counter() - t0, "stage_s": stage, "step_walls_s": _diffs(marks[:-1]),
-            "step_stage_s": stages, "close_s": marks[-1] - marks[-2]}
+            "step_stage_s": stages, "close_s": marks[-1] - marks[-2], "phases_mean_s": mean}
 
 
 def _diffs(marks: list[float]) -> list[float]:
@@ -217,6 +220,9 @@ def main() -> None:
     print(f"within the {long}-step runs: TRL {w['trl_step_s']:.3f} s/step | this project {w['project_step_s']:.3f} s/step "
           f"(stages {w['project_stage_s']:.3f} s, orchestration {w['orchestration_s']:.3f} s) | ratio "
           f"{w['ratio_project_vs_trl']:.2f} (target <= 1.5)")
+    res["project_phases_mean_s"] = p[long]["phases_mean_s"]  # where the stages' time goes (steps 2..long)
+    print("this project's phases per step (mean of steps 2.." + str(long) + "): "
+          + ", ".join(f"{k} {v:.3f}" for k, v in sorted(res["project_phases_mean_s"].items(), key=lambda kv: -kv[1])))
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
 

@@ -345,8 +345,8 @@ def checkpointed_layers(model, context=None, keeps: str = "inputs"):
     """Activation checkpointing per decoder layer (non-reentrant): a layer keeps only its inputs; backward
     recomputes its forward with the same kernels, so values are bit-identical to the plain forward.
 
-    context: a factory of the context manager the layer ran under (the replay adapter's forwards); the recompute in
-    backward runs outside the caller's `with` block, so it enters the same context again itself.
+    context: layer -> the context manager that layer ran under (the replay adapter's forwards on that layer's
+    modules); the recompute in backward runs outside the caller's `with` block, so it enters it again itself.
     keeps: "inputs" (the above) or "matmuls": selective checkpointing that also keeps the outputs of KEPT_OPS, so
     the recompute skips the matrix products (their kept outputs are the same tensors: still bit-identical)."""
     from contextlib import nullcontext
@@ -360,12 +360,12 @@ def checkpointed_layers(model, context=None, keeps: str = "inputs"):
     from engine import shared_replay as SR
 
     layers = list(M._parts(model)[0].layers)
-    ctx = context or nullcontext
+    ctx = context or (lambda layer: nullcontext())
     for i, layer in enumerate(layers):
         orig = layer.forward
 
-        def run(*args, _orig=orig, **kwargs):
-            with ctx():
+        def run(*args, _orig=orig, _layer=layer, **kwargs):
+            with ctx(_layer):
                 return _orig(*args, **kwargs)
 
         def fwd(*args, _run=run, _i=i, **kwargs):
@@ -431,7 +431,8 @@ def score_microbatch(engine, turns: Turns, idx: list[int], temperature: float, s
         if lean:
             stack.enter_context(replay_adapter(engine))
         if checkpointed and torch.is_grad_enabled():
-            stack.enter_context(checkpointed_layers(engine.model, (lambda: replay_adapter(engine)) if lean else nullcontext,
+            stack.enter_context(checkpointed_layers(engine.model, (lambda layer: replay_adapter(engine).scope(layer))
+                                                    if lean else (lambda layer: nullcontext()),
                                                     "inputs" if rc is None else rc.checkpoint_keeps))
         if rc is not None and rc.share_prefix:
             from engine.shared_replay import score_turns_shared

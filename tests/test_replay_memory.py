@@ -71,6 +71,35 @@ def _objective(a, q, idx):
                for n, _ in enumerate(idx))
 
 
+def tiered_gradients(model, turns, rc, weights_q, weights_a):
+    """Gradients of Σ w·logp through the production path: the plan of `rc` (engine.replay.plan_replay, with the
+    packer rc asks for), each micro-batch scored in its tier, stages.optimize.accumulate_gradients. -> (grads, plan)"""
+    from engine.replay import packer_for, plan_replay, score_microbatch
+    from stages.optimize import accumulate_gradients
+
+    class Cfg:  # what accumulate_gradients reads
+        sampler = type("S", (), {"temperature": 1.0})()
+        replay = rc
+
+    class LI:
+        pass
+
+    eng = _Eng(model)
+    plan = plan_replay(turns.lengths(), rc, packer=packer_for(turns, rc))
+    _zero(model)
+    live, lp_turn = [], [None] * len(turns.rows)
+    for idx, tier in zip(plan.microbatches, plan.tiers):
+        with torch.set_grad_enabled(tier != "two_pass"):
+            a, q = score_microbatch(eng, turns, idx, 1.0, 0.05, tier, rc)
+        live.append((idx, a, q) if tier != "two_pass" else None)
+        for n, i in enumerate(idx):
+            lp_turn[i] = torch.cat([q[n].detach().float(), a[n].detach().float()])
+    li = LI()
+    li.turns, li.sigma, li.lp_turn = turns, 0.05, lp_turn
+    accumulate_gradients(Cfg, eng, li, weights_q, weights_a, live=live, plan=(plan.microbatches, plan.tiers))
+    return _grads(model), plan
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the lean adapter backward vs PEFT
 
@@ -326,37 +355,16 @@ def test_every_tier_gives_the_kept_graph_gradients(dtype):
     recomputes them), and in FP32 all are within the equivalence gate of a full-batch reference through PEFT's own
     forward and full log-softmax."""
     from configs.schema import ReplayConfig
-    from engine.replay import plan_replay, score_microbatch
+    from engine.replay import score_microbatch
     from stages.gradcheck import REL_L2_MAX, compare
-    from stages.optimize import accumulate_gradients
 
     turns = _turns(6)
     lengths = turns.lengths()
     weights_a = [torch.linspace(-1, 1, len(a)) for a in turns.answers]
     weights_q = [torch.full((3,), 0.01 * (i + 1)) for i in range(len(turns.rows))]
 
-    class Cfg:  # what accumulate_gradients reads
-        sampler = type("S", (), {"temperature": 1.0})()
-
-    class LI:
-        pass
-
     def run(rc, model):
-        eng = _Eng(model)
-        plan = plan_replay(lengths, rc)
-        _zero(model)
-        live, lp_turn = [], [None] * len(turns.rows)
-        for idx, tier in zip(plan.microbatches, plan.tiers):
-            with torch.set_grad_enabled(tier != "two_pass"):
-                a, q = score_microbatch(eng, turns, idx, 1.0, 0.05, tier, rc)
-            live.append((idx, a, q) if tier != "two_pass" else None)
-            for n, i in enumerate(idx):
-                lp_turn[i] = torch.cat([q[n].detach().float(), a[n].detach().float()])
-        li = LI()
-        li.turns, li.sigma, li.lp_turn = turns, 0.05, lp_turn
-        Cfg.replay = rc
-        accumulate_gradients(Cfg, eng, li, weights_q, weights_a, live=live, plan=(plan.microbatches, plan.tiers))
-        return _grads(model), plan
+        return tiered_gradients(model, turns, rc, weights_q, weights_a)
 
     model = _model("dora", dtype)
     base = dict(microbatch_tokens=2 * max(lengths))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_replay_memory import ARCH, _Eng, _grads, _model, _objective, _zero
+from tests.test_replay_memory import ARCH, _Eng, _grads, _model, _objective, _zero, tiered_gradients
 
 
 def episodes(groups: int = 2, rows: int = 2, turns: int = 3, K: int = 3, seed: int = 1):
@@ -247,37 +247,16 @@ def test_shared_tiers_through_the_production_backward_equal_the_kept_graph(dtype
     stages.optimize.accumulate_gradients give the kept graph's gradients bit for bit; in FP32 within the
     gradient-equivalence gate of the per-turn FP32 reference."""
     from configs.schema import ReplayConfig
-    from engine.replay import packer_for, plan_replay, score_microbatch
+    from engine.replay import score_microbatch
     from engine.shared_replay import shared_tokens
     from stages.gradcheck import REL_L2_MAX, compare
-    from stages.optimize import accumulate_gradients
 
     turns = episodes(groups=3)
     weights_a = [torch.linspace(-1, 1, len(a)) for a in turns.answers]
     weights_q = [torch.full((3,), 0.01 * (i + 1)) for i in range(len(turns.rows))]
 
-    class Cfg:
-        sampler = type("S", (), {"temperature": 1.0})()
-
-    class LI:
-        pass
-
     def run(rc, model):
-        eng = _Eng(model)
-        plan = plan_replay(turns.lengths(), rc, packer=packer_for(turns, rc))
-        _zero(model)
-        live, lp_turn = [], [None] * len(turns.rows)
-        for idx, tier in zip(plan.microbatches, plan.tiers):
-            with torch.set_grad_enabled(tier != "two_pass"):
-                a, q = score_microbatch(eng, turns, idx, 1.0, 0.05, tier, rc)
-            live.append((idx, a, q) if tier != "two_pass" else None)
-            for n, i in enumerate(idx):
-                lp_turn[i] = torch.cat([q[n].detach().float(), a[n].detach().float()])
-        li = LI()
-        li.turns, li.sigma, li.lp_turn = turns, 0.05, lp_turn
-        Cfg.replay = rc
-        accumulate_gradients(Cfg, eng, li, weights_q, weights_a, live=live, plan=(plan.microbatches, plan.tiers))
-        return _grads(model), plan
+        return tiered_gradients(model, turns, rc, weights_q, weights_a)
 
     model = _model("dora", dtype)
     one_group = max(shared_tokens(*(x[6 * k: 6 * k + 6] for x in (turns.prefixes, turns.thoughts, turns.answers,

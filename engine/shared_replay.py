@@ -240,9 +240,10 @@ def schedule(nodes: list[Node], branch_lengths: list[int], join_padding: int = J
     In a wave, nodes of equal new length go in one batch (no padding, so their states are exact), whatever their
     parents, and the wave's branches join the batch of its longest nodes when they fit in that length (right-padded:
     only the positions before the padding are read) and the padding is at most `join_padding` tokens, else form a
-    batch of their own. So at the recipe shape (equal
-    answer and tool lengths) a group takes 5 forwards: the prompt; every row's first branch with every row's second
-    prefix; then twice every row's next prefix with its current branch; the last branches."""
+    batch of their own. So a group whose rows' answers and tool results have equal lengths takes one forward for the
+    prompt, then per wave one for the rows' next prefixes and, unless they fit beside them, one for their current
+    branches: at the recipe shape 8 forwards (4 branches of 81 tokens beside prefixes of 192 would pad 444 tokens);
+    turns + 1 where the branches join (tests/test_shared_replay.py)."""
     out: list[Batch] = []
     kids: dict[int, list[int]] = {}
     for i, nd in enumerate(nodes):

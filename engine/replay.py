@@ -174,7 +174,7 @@ def plan_replay(lengths: list[int], rc, costs: TokenCosts | None = None, base_by
     one_pass: every micro-batch is back-propagated inside replay right after its forward (nothing kept across
     micro-batches); its graph keeps everything when that fits in flight, else it is checkpointed. See plan_one_pass.
 
-    packer: max_tokens -> (micro-batches, their token counts[, bytes each keeps beside its tokens]) instead of `pack`
+    packer: max_tokens -> (micro-batches, their token counts, bytes each keeps beside its tokens or None) instead of `pack`
     by padded turn lengths (replay.share_prefix: engine.shared_replay.pack_shared, whole groups counted by the tokens
     they forward, plus the shared states they keep until backward)."""
     if not lengths:
@@ -189,7 +189,7 @@ def plan_replay(lengths: list[int], rc, costs: TokenCosts | None = None, base_by
         if known:  # the micro-batch in flight takes at most transient_share of the free memory
             room = (budget_bytes - base_bytes - costs.fixed) * rc.transient_share
             mb_tokens = max(1, min(mb_tokens, int(room / max(costs.transient, 1.0))))
-    mbs, tokens, extra = _packed(packer, mb_tokens)
+    mbs, tokens, extra = packer(mb_tokens)
     plan = ReplayPlan(mbs, tokens, ["keep"] * len(mbs), budget_bytes=budget_bytes, base_bytes=base_bytes, costs=costs,
                       extra_bytes=extra)
     inf = float("inf")
@@ -211,15 +211,10 @@ _SHARED_HINT = (" (with replay.share_prefix a row's turns share one micro-batch;
                 "them one by one)")
 
 
-def _packed(packer, max_tokens: int) -> tuple[list[list[int]], list[int], list[float] | None]:
-    out = packer(max_tokens)
-    return (out[0], out[1], out[2] if len(out) > 2 else None)
-
-
 def _turn_packer(lengths: list[int]):
-    def packer(max_tokens: int) -> tuple[list[list[int]], list[int]]:
+    def packer(max_tokens: int) -> tuple[list[list[int]], list[int], None]:
         mbs = pack(lengths, max_tokens)
-        return mbs, [padded_tokens(lengths, idx) for idx in mbs]
+        return mbs, [padded_tokens(lengths, idx) for idx in mbs], None
 
     return packer
 
@@ -236,7 +231,7 @@ def plan_one_pass(lengths: list[int], rc, costs: TokenCosts | None, base_bytes: 
         mb_tokens = rc.auto_microbatch_tokens
         if costs is not None:
             mb_tokens = max(1, min(mb_tokens, int(room / max(costs.checkpoint + costs.transient, 1.0))))
-    mbs, tokens, extra = _packed(packer or _turn_packer(lengths), mb_tokens)
+    mbs, tokens, extra = (packer or _turn_packer(lengths))(mb_tokens)
     plan = ReplayPlan(mbs, tokens, ["one_pass"] * len(mbs), budget_bytes=budget_bytes, base_bytes=base_bytes,
                       costs=costs, graphs=["keep"] * len(mbs), extra_bytes=extra)
     extra = extra or [0.0] * len(mbs)
@@ -540,15 +535,13 @@ def packer_for(turns: Turns, rc, model=None):
         return None
     from engine.shared_replay import pack_shared
 
-    config = None
+    sizing = ()  # the model's config and activation bytes: pack_shared then counts the shared states too
     if model is not None:
         text, _, emb = M._parts(model)
-        config, b = text.config, torch.finfo(emb.weight.dtype).bits // 8
+        sizing = (text.config, torch.finfo(emb.weight.dtype).bits // 8)
 
     def packer(max_tokens: int):
-        if config is None:
-            return pack_shared(turns.prefixes, turns.thoughts, turns.answers, turns.rows, max_tokens)
-        return pack_shared(turns.prefixes, turns.thoughts, turns.answers, turns.rows, max_tokens, config, b)
+        return pack_shared(turns.prefixes, turns.thoughts, turns.answers, turns.rows, max_tokens, *sizing)
 
     return packer
 

@@ -276,8 +276,7 @@ def shared_tokens(prefixes: list[list[int]], thoughts: list[torch.Tensor], answe
                   rows: list[int]) -> int:
     """Tokens a prefix-shared scoring of these turns forwards (padding included): the sum over `schedule`'s batches
     of rows x length."""
-    nodes = forest(prefixes, rows)
-    return sum(len(b.items) * b.T for b in schedule(nodes, [branch_length(z, a) for z, a in zip(thoughts, answers)]))
+    return footprint(prefixes, thoughts, answers, rows, list(range(len(prefixes))))[0]
 
 
 def units(prefixes: list[list[int]], rows: list[int]) -> list[list[int]]:
@@ -317,17 +316,24 @@ def state_bytes(config, nodes: list[Node], batches: list[Batch], dtype_bytes: in
     return float(total)
 
 
+def footprint(prefixes, thoughts, answers, rows, idx: list[int], config=None, dtype_bytes: int = 2
+              ) -> tuple[int, float]:
+    """(tokens forwarded, bytes of shared states kept: 0 without the model's `config`) of scoring turns `idx`."""
+    nodes = forest([prefixes[i] for i in idx], [rows[i] for i in idx])
+    sched = schedule(nodes, [branch_length(thoughts[i], answers[i]) for i in idx])
+    tokens = sum(len(b.items) * b.T for b in sched)
+    return tokens, (0.0 if config is None else state_bytes(config, nodes, sched, dtype_bytes))
+
+
 def pack_shared(prefixes, thoughts, answers, rows, max_tokens: int, config=None, dtype_bytes: int = 2
-                ) -> tuple[list[list[int]], list[int]] | tuple[list[list[int]], list[int], list[float]]:
+                ) -> tuple[list[list[int]], list[int], list[float] | None]:
     """Micro-batches of whole trees (a group shares its prompt only inside one micro-batch) by shared token count,
     largest first onto the first micro-batch with room; a tree over max_tokens is split into its rows (each row's
     turns still share their prefixes), and a row over it gets a micro-batch of its own. Returns (micro-batches of turn
-    indices, each sorted; their shared token counts) and, given the model's `config` (and its activations' bytes per
-    element), each one's `state_bytes`.
-    Deterministic in its inputs."""
+    indices, each sorted; their shared token counts; given the model's `config` (and its activations' bytes per
+    element) each one's `state_bytes`, else None). Deterministic in its inputs."""
     def count(idx):
-        return shared_tokens([prefixes[i] for i in idx], [thoughts[i] for i in idx], [answers[i] for i in idx],
-                             [rows[i] for i in idx])
+        return footprint(prefixes, thoughts, answers, rows, idx)[0]
 
     pieces: list[list[int]] = []
     for tree in units(prefixes, rows):
@@ -351,14 +357,8 @@ def pack_shared(prefixes, thoughts, answers, rows, max_tokens: int, config=None,
             bins.append(list(pieces[k]))
             load.append(sizes[k])
     mbs = [sorted(b) for b in bins]
-    if config is None:
-        return mbs, [count(b) for b in mbs]
-    extra = []
-    for b in mbs:
-        nodes = forest([prefixes[i] for i in b], [rows[i] for i in b])
-        sched = schedule(nodes, [branch_length(thoughts[i], answers[i]) for i in b])
-        extra.append(state_bytes(config, nodes, sched, dtype_bytes))
-    return mbs, [count(b) for b in mbs], extra
+    sized = [footprint(prefixes, thoughts, answers, rows, b, config, dtype_bytes) for b in mbs]
+    return mbs, [n for n, _ in sized], None if config is None else [e for _, e in sized]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -259,12 +259,12 @@ def _replay_on_workers(run_dir: str, step: int, rollouts: str, adapter: str, bas
     """Replay on the pool: the turns split across the workers by token count, a replay task per worker (concurrent),
     then gather-replay (every turn once; the parity gate). The graphs stay in the workers for optimize. Returns one
     replay summary: wall seconds of the slowest worker plus the gather, per-worker figures under "workers"."""
-    from stages.replay import load_turns, shared_units, split_turns
+    from stages.replay import shared_units, split_turns, turns_of
 
     table = read_table(rollouts)
     lengths = [len(p) + len(a) + 1 for p, a in zip(table.column("prefix_ids").to_pylist(),
                                                    table.column("answer_ids").to_pylist())]
-    units = shared_units(load_turns(rollouts)[0]) if run_config(run_dir).replay.share_prefix else None
+    units = shared_units(turns_of(table)) if run_config(run_dir).replay.share_prefix else None
     parts = [(w, ids) for w, ids in sorted(split_turns(lengths, workers, units).items()) if ids]
     rd = RunDir(Path(run_dir))
     shards = [str(rd.replay(step)).replace(".arrow", f".w{w}.safetensors") for w, _ in parts]

@@ -27,13 +27,17 @@ from stages.context import run_config, timer
 
 def load_turns(rollouts_in: str) -> tuple[Turns, object]:
     t = read_table(rollouts_in)
-    turns = Turns(
+    return turns_of(t), t
+
+
+def turns_of(t) -> Turns:
+    """The stored turns of a rollouts table."""
+    return Turns(
         prefixes=t.column("prefix_ids").to_pylist(),
         thoughts=to_tensor_list(t, "thoughts", torch.float32),
         answers=t.column("answer_ids").to_pylist(),
         rows=t.column("row").to_pylist(),
     )
-    return turns, t
 
 
 def live_key(rollouts_in: str, adapter_digest: str) -> tuple[str, str]:
@@ -139,13 +143,10 @@ def split_turns(lengths: list[int], workers: int, units: list[tuple[list[int], i
 def shared_units(turns: Turns) -> list[tuple[list[int], int]]:
     """split_turns' units for replay.share_prefix: the trees of shared prefixes (engine.shared_replay.units) and the
     tokens each forwards."""
-    from engine.shared_replay import shared_tokens, units
+    from engine.shared_replay import footprint, units
 
-    out = []
-    for ids in units(turns.prefixes, turns.rows):
-        out.append((ids, shared_tokens([turns.prefixes[i] for i in ids], [turns.thoughts[i] for i in ids],
-                                       [turns.answers[i] for i in ids], [turns.rows[i] for i in ids])))
-    return out
+    t = (turns.prefixes, turns.thoughts, turns.answers, turns.rows)
+    return [(ids, footprint(*t, ids)[0]) for ids in units(turns.prefixes, turns.rows)]
 
 
 def replay_shard(run_dir: str, step: int, rollouts_in: str, adapter_in: str, base_in: str, turn_ids: list[int],

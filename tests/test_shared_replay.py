@@ -108,16 +108,16 @@ def test_pack_shared_keeps_groups_whole_splits_an_oversized_group_into_rows_and_
 
     t = episodes(groups=3, rows=2, turns=3)
     args = (t.prefixes, t.thoughts, t.answers, t.rows)
-    big, tokens = pack_shared(*args, 10**6)
+    big, tokens, _ = pack_shared(*args, 10**6)
     assert big == [list(range(18))] and tokens == [shared_tokens(*args)]
     group = shared_tokens(*(x[:6] for x in args))
-    mbs, tokens = pack_shared(*args, group)
+    mbs, tokens, _ = pack_shared(*args, group)
     assert sorted(sorted(m) for m in mbs) == [list(range(0, 6)), list(range(6, 12)), list(range(12, 18))] or \
         all(len(m) % 3 == 0 for m in mbs)  # whole groups (or rows, where a group exceeds the size)
     assert all(n <= group for n in tokens) or len(mbs) == 6
-    small, tokens_small = pack_shared(*args, 1)  # nothing fits: every row alone, its turns still together
+    small, tokens_small, _ = pack_shared(*args, 1)  # nothing fits: every row alone, its turns still together
     assert sorted(small) == [list(range(3 * r, 3 * r + 3)) for r in range(6)]
-    assert pack_shared(*args, group) == (mbs, tokens)
+    assert pack_shared(*args, group) == (mbs, tokens, None)
 
 
 def test_workers_get_whole_groups_with_share_prefix():

@@ -51,6 +51,7 @@ class Engine:
     same_arithmetic_as_trainer: bool = False  # a sampler on the trainer's unquantized base: may share its cache
     _latent_graph: object | None = None
     _decoder_graph: object | None = None
+    _frozen: object | None = None  # the eager paths' FrozenAdapter (False: the model has no adapter layers)
 
     @property
     def device(self) -> torch.device:
@@ -70,6 +71,25 @@ class Engine:
             self.live.clear()
         if self.prefix_cache is not None:
             self.prefix_cache.use_weights(digest)  # a cache filled under another adapter is dropped
+
+    def frozen_adapter(self):
+        """A `with` block for the eager (not graphed) inference paths: engine.cuda_graphs.FrozenAdapter's forwards on
+        the adapter layers, synced to the adapter's current values. Bit for bit PEFT's forward (tests/test_cuda_graphs.py)
+        without PEFT's per-call bookkeeping (three submodule calls, the active-adapter loop, the dropout module, input
+        casts) and, for DoRA, with m/||W + s·BA|| once per adapter version instead of once per forward: a decoded
+        token runs every adapted projection on a handful of rows, where that bookkeeping cost more than the
+        arithmetic (tiny model, CPU: ~30 % of a decode step)."""
+        from contextlib import nullcontext
+
+        if self._frozen is None:
+            from engine.adapter_grad import single_adapter_layers
+            from engine.cuda_graphs import FrozenAdapter
+
+            self._frozen = FrozenAdapter(self.model) if single_adapter_layers(self.model) else False
+        if self._frozen is False:
+            return nullcontext()
+        self._frozen.sync()
+        return self._frozen
 
     def latent_graph(self):
         if self._latent_graph is None:
@@ -112,10 +132,11 @@ class Engine:
                 with loop.adapter_frozen():  # the DoRA scale once per adapter version, not once per row and chunk
                     rows = _prefill_timed(self.model, prefixes, cache, boundaries, times, "latent_prefill_s")
                 return loop.run_rows(rows, K, sigma, self.scale, self.toks, gen)
-            if cache is not None:
-                return PC.latent_loop_cached(self.model, prefixes, K, sigma, self.scale, self.toks, gen, cache,
-                                             boundaries)
-            return LT.latent_loop(self.model, prefixes, K, sigma, self.scale, self.toks, gen)
+            with self.frozen_adapter():
+                if cache is not None:
+                    return PC.latent_loop_cached(self.model, prefixes, K, sigma, self.scale, self.toks, gen, cache,
+                                                 boundaries)
+                return LT.latent_loop(self.model, prefixes, K, sigma, self.scale, self.toks, gen)
 
     # -- the trainer role: replay scores ---------------------------------------------------------------------------
     def score(self, turns, idx: list[int], temperature: float, sigma: float, tier: str = "keep", rc=None,
@@ -159,11 +180,12 @@ class Engine:
                     for k in ("draw_s", "wait_s"):
                         times[f"answers_{k}"] = round(times.get(f"answers_{k}", 0.0) + gen.times[k], 4)
                 return out
-            if cache is not None:
-                return PC.sample_answers_cached(self.model, prefixes, z, max_new, temperature, self.toks, gen, cache,
-                                                limits, boundaries)
-            prompts = [AN.prompt_embeddings(self.model, p, z[i], self.toks) for i, p in enumerate(prefixes)]
-            return AN.sample_answers(self.model, prompts, max_new, temperature, self.toks, gen, limits=limits)
+            with self.frozen_adapter():
+                if cache is not None:
+                    return PC.sample_answers_cached(self.model, prefixes, z, max_new, temperature, self.toks, gen,
+                                                    cache, limits, boundaries)
+                prompts = [AN.prompt_embeddings(self.model, p, z[i], self.toks) for i, p in enumerate(prefixes)]
+                return AN.sample_answers(self.model, prompts, max_new, temperature, self.toks, gen, limits=limits)
 
     def teacher_forced(self, prefixes, thoughts, answers, temperature: float, trainer: "Engine") -> list:
         """Per turn the (L,) post-temperature log-probs of the given answer tokens after prefix ⊕ thoughts."""

@@ -419,3 +419,50 @@ def test_the_run_step_flows_post_their_artifacts_linked_to_each_step_flow_run(pr
     assert by_key == {"step-0000-timings": runs[0], "step-0000-metrics": runs[0],
                       "step-0001-timings": runs[1], "step-0001-metrics": runs[1]}, by_key
 
+
+
+def test_artifact_sender_sends_in_order_and_reports_what_it_could_not_send(prefect_harness, monkeypatch):
+    """Queued step artifacts land on the flow run that queued them; one the API refuses is named by close() and in a
+    warning, and the others still arrive."""
+    import logging
+
+    from prefect import flow, get_client
+    from prefect.artifacts import MarkdownArtifact, TableArtifact
+    from prefect.client.orchestration import SyncPrefectClient
+
+    from flows.step import artifact_sender, send_artifact
+
+    real = SyncPrefectClient.create_artifact
+
+    def refuse_one(self, artifact):
+        if artifact.key == "lgrpo-test-refused":
+            raise RuntimeError("the API said no")
+        return real(self, artifact)
+
+    monkeypatch.setattr(SyncPrefectClient, "create_artifact", refuse_one)
+
+    @flow(name="lgrpo-test-sender")
+    def queued() -> str:
+        from prefect.runtime import flow_run
+
+        send_artifact(TableArtifact(key="lgrpo-test-table", table=[{"phase": "x", "seconds": 1.0}]))
+        send_artifact(MarkdownArtifact(key="lgrpo-test-refused", markdown="no"))
+        send_artifact(MarkdownArtifact(key="lgrpo-test-markdown", markdown="| a |\n|---|\n| 1 |"))
+        return flow_run.id
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logging.getLogger("lgrpo.artifacts").addHandler(handler)
+    try:
+        with artifact_sender() as sender:
+            run = queued()
+    finally:
+        logging.getLogger("lgrpo.artifacts").removeHandler(handler)
+    assert sender.failed == ["lgrpo-test-refused"]
+    assert any("lgrpo-test-refused" in r.getMessage() and "the API said no" in r.getMessage() for r in records)
+    with get_client(sync_client=True) as client:
+        arts = {a.key: a for a in client.read_artifacts() if a.key and a.key.startswith("lgrpo-test-")}
+    assert set(arts) == {"lgrpo-test-table", "lgrpo-test-markdown"}
+    assert all(str(a.flow_run_id) == str(run) for a in arts.values())
+    assert arts["lgrpo-test-table"].type == "table" and "seconds" in arts["lgrpo-test-table"].data

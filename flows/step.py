@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from prefect import flow
-from prefect.artifacts import MarkdownArtifact, TableArtifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from artifacts import RunDir, append_jsonl, curves, read_json, read_table, write_json
 from artifacts import metrics as step_metrics
@@ -34,91 +34,8 @@ def step_flows():
     every step (bench/trl_compare.py measures what is left)."""
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
-    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}), shared_async_client(), \
-            artifact_sender():
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}), shared_async_client():
         yield grpo_step
-
-
-class ArtifactSender:
-    """The step flows' Prefect artifacts (per-step timings and metrics), sent by one thread with one API client while
-    the next step runs. Each request costs a round trip to the API server (~15 ms on a 2-core machine, where the
-    server shares the cores with the step): two per step, on the step's critical path, were ~5 % of a small step
-    (bench/trl_compare.py). An artifact is bound to its flow run when it is queued (the run's id from the flow's
-    context), so it lands on the right step flow whenever it is sent; `close()` sends what is queued and returns the
-    keys that could not be sent (each also logged as a warning with the cause). The numbers themselves are in the
-    run directory (steps/NNNNNN/timings.json, metrics.json) before the artifact is queued."""
-
-    def __init__(self):
-        import queue
-        import threading
-
-        self.queue: "queue.Queue" = queue.Queue()
-        self.failed: list[str] = []
-        self.thread = threading.Thread(target=self._send_all, daemon=True, name="lgrpo-artifacts")
-        self.thread.start()
-
-    def put(self, artifact) -> None:
-        """Queue a prefect.artifacts.Artifact (TableArtifact, MarkdownArtifact...) for the current flow run."""
-        from prefect.client.schemas.actions import ArtifactCreate
-        from prefect.context import get_run_context
-
-        ctx = get_run_context()
-        task_run = getattr(ctx, "task_run", None)
-        flow_run = getattr(ctx, "flow_run", None)
-        self.queue.put(ArtifactCreate(type=artifact.type, key=artifact.key, description=artifact.description,
-                                       task_run_id=task_run.id if task_run else None,
-                                       flow_run_id=task_run.flow_run_id if task_run else flow_run.id,
-                                       data=artifact.format(_sync=True)))
-
-    def _send_all(self) -> None:
-        import logging
-
-        from prefect.client.orchestration import get_client
-
-        with get_client(sync_client=True) as client:
-            while True:
-                req = self.queue.get()
-                if req is None:
-                    return
-                try:
-                    client.create_artifact(artifact=req)
-                except Exception as exc:  # the run goes on; the run directory holds the same numbers
-                    self.failed.append(req.key)
-                    logging.getLogger("lgrpo.artifacts").warning(
-                        "Prefect artifact %s was not sent (%s: %s); its numbers are in the run directory",
-                        req.key, type(exc).__name__, exc)
-
-    def close(self) -> list[str]:
-        self.queue.put(None)
-        self.thread.join()
-        return self.failed
-
-
-_SENDER: list[ArtifactSender] = []  # the sender of the innermost artifact_sender() block, if any
-
-
-@contextmanager
-def artifact_sender():
-    """Step artifacts go through one ArtifactSender for the duration of the block (all of a run's steps); outside
-    such a block (a step flow called on its own) `send_artifact` sends at once. Nested blocks share the outer one."""
-    if _SENDER:
-        yield _SENDER[-1]
-        return
-    sender = ArtifactSender()
-    _SENDER.append(sender)
-    try:
-        yield sender
-    finally:
-        _SENDER.remove(sender)
-        sender.close()
-
-
-def send_artifact(artifact) -> None:
-    """Create a Prefect artifact for the current flow run: queued when an artifact_sender() block is open, else now."""
-    if _SENDER:
-        _SENDER[-1].put(artifact)
-    else:
-        artifact.create(_sync=True)
 
 
 @contextmanager
@@ -419,14 +336,14 @@ def publish(run_dir: str, step: int, kind: str, summaries: list[dict]) -> dict:
     write_json(rd.metrics(step), metrics)
     append_jsonl(rd.metrics_history(), metrics | {"phases": ph}, replace="step")
     curves.write_scalars(run_dir, step, step_metrics.scalars(metrics | {"phases": ph}))
-    send_artifact(TableArtifact(
+    create_table_artifact(
         key=f"step-{step:04d}-timings",
         table=[{"phase": k, "seconds": v} for k, v in ph.items()],
         description=f"Per-phase wall seconds of {kind} step {step} (measured by the stages)",
-    ))
-    send_artifact(MarkdownArtifact(
+    )
+    create_markdown_artifact(
         key=f"step-{step:04d}-metrics",
         markdown="| metric | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in metrics.items()),
         description=f"Metrics of step {step}",
-    ))
+    )
     return metrics | {"phases": ph}

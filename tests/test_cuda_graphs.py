@@ -316,3 +316,48 @@ def test_static_cache_capacity_is_rounded_so_a_growing_prefix_keeps_its_cache(fp
     torch.testing.assert_close(q, ref_q, atol=1e-3, rtol=1e-5)
     with pytest.raises(ValueError, match="capacity_step"):
         CG.GraphedLatentLoop(model, graphed=False, capacity_step=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("adapter_type,dtype,cached", [("lora", "float32", True), ("lora", "float32", False),
+                                                        ("dora", "float32", True), ("dora", "bfloat16", False)])
+def test_eager_engine_paths_give_peft_bits_through_the_frozen_adapter(tmp_path, adapter_type, dtype, cached):
+    """Engine.thoughts and Engine.answers on the CPU (not graphed) run under FrozenAdapter's forwards: thoughts,
+    their log-densities, answer tokens and answer log-probs are bit for bit those of PEFT's own forward, for an
+    adapter that changes the outputs (non-zero LoRA B), and the PEFT forwards are back afterwards."""
+    import contextlib
+
+    from artifacts import read_json
+    from engine import runtime
+    from engine.adapter_grad import adapter_layers
+    from stages.context import run_config
+    from tests.conftest import make_run
+    from tests.test_gates import trained_like_adapter
+
+    runtime.clear()
+    run_dir = make_run(tmp_path / "run", **{"adapter.type": adapter_type, "model.dtype": dtype})
+    cfg = run_config(run_dir)
+    base = read_json(f"{run_dir}/prepared.json")["base"]
+    eng = runtime.build(cfg, base, base, adapter_dir=trained_like_adapter(run_dir, tmp_path / "adapter"))
+    assert not eng.graphs
+    cache = runtime._new_prefix_cache(cfg) if cached else None  # cleared before each run: both prefill
+    prefixes = [[5, 6, 7, 8, 9], [5, 6, 7], [10, 11, 12, 13]]
+
+    def run(frozen: bool):
+        if not frozen:
+            eng.frozen_adapter = lambda: contextlib.nullcontext()  # PEFT's forward
+        if cache is not None:
+            cache.clear()
+        eng.prefix_cache = cache  # the cache answers() prefills through (answer_cache: the engine's own)
+        try:
+            z, logq = eng.thoughts(prefixes, None, 3, cfg.latent.sigma * eng.scale, [1, 2, 3], cache)
+            ids, lps = eng.answers(prefixes, None, z, 8, cfg.sampler.temperature, [4, 5, 6], [8, 8, 8], eng)
+        finally:
+            eng.__dict__.pop("frozen_adapter", None)
+        return z, logq, ids, lps
+
+    peft, frozen = run(False), run(True)
+    assert torch.equal(peft[0], frozen[0]) and torch.equal(peft[1], frozen[1])
+    assert peft[2] == frozen[2] and peft[3] == frozen[3]
+    assert eng._frozen and eng._frozen.layers  # the frozen path really ran on the adapter layers
+    assert all("forward" not in m.__dict__ for m in adapter_layers(eng.model).values())

@@ -74,6 +74,13 @@ class LiveGraphs(list):
 # the plan: micro-batches of whole turns, a memory tier per micro-batch, and the preflight
 
 
+# replay.share_prefix: a micro-batch's backward also holds gradients of the shared states it kept (the K/V of each
+# prefix, the GDN states), up to as many bytes as the states themselves. Counted in full: measured on one H100 at the
+# 27B width (one recipe group, checkpoint tier, bench/results/h100-replay-27b-shared-prefix-2026-12-07.json), the
+# estimate without them came to 38.5 GB for a 44.5 GB peak (0.865), with states of 12.8 GB.
+STATE_GRAD_SHARE = 1.0
+
+
 class ReplayMemoryError(RuntimeError):
     """The planned replay cannot fit the device; the message names the setting to change. Raised before replay."""
 
@@ -239,9 +246,10 @@ def plan_one_pass(lengths: list[int], rc, costs: TokenCosts | None, base_bytes: 
         return plan
     peak = 0.0
     for j, n in enumerate(tokens):
-        need = (costs.keep + costs.transient) * n + extra[j]
+        e = extra[j] * (1.0 + STATE_GRAD_SHARE)  # the shared states and, in the backward, their gradients
+        need = (costs.keep + costs.transient) * n + e
         if need > room:
-            plan.graphs[j], need = "checkpoint", (costs.checkpoint + costs.transient) * n + extra[j]
+            plan.graphs[j], need = "checkpoint", (costs.checkpoint + costs.transient) * n + e
         if need > room:
             longest = max(lengths[i] for i in mbs[j])
             what = (f"one turn of {longest} tokens needs {need / GiB:.1f} GiB checkpointed in flight: shorten "
@@ -262,8 +270,10 @@ def _assign(plan: ReplayPlan, tokens: list[int], lengths: list[int], rc, costs: 
     (plus, when two-pass micro-batches may be in flight, a re-forward's checkpointed graph)."""
     per_token = costs.transient + (costs.checkpoint if two_pass_in_flight else 0.0)
     extra = plan.extra_bytes or [0.0] * len(tokens)
-    # the micro-batch in flight (a two-pass re-forward: with its shared states, which it keeps until its backward)
-    transient = max(per_token * n + (e if two_pass_in_flight else 0.0) for n, e in zip(tokens, extra)) + costs.fixed
+    # the micro-batch in flight: in its backward, the gradients of its shared states (STATE_GRAD_SHARE of the states;
+    # a two-pass re-forward also holds the states themselves, which it keeps until its backward)
+    transient = max(per_token * n + e * (STATE_GRAD_SHARE + (1.0 if two_pass_in_flight else 0.0))
+                    for n, e in zip(tokens, extra)) + costs.fixed
     if base_bytes + transient > budget_bytes:
         longest = max(lengths)
         what = (f"one turn of {longest} tokens needs {transient / GiB:.1f} GiB in flight: shorten episodes "
@@ -480,6 +490,7 @@ def measure_costs(engine, turns: Turns, rc, temperature: float, sigma: float, pr
             p.grad = None
         return float(kept), float(peak - kept), probe.lengths()[0]
 
+    budget, resident = device_budget(engine, rc)
     fits = {}
     # the checkpoint tier is probed 4x longer: its in-flight bytes per token (one layer's recompute and backward) are
     # small enough that at probe_tokens a size-independent allocation (a dequantized NF4 weight) hides their slope
@@ -487,8 +498,8 @@ def measure_costs(engine, turns: Turns, rc, temperature: float, sigma: float, pr
     sizes = {"keep": probe_tokens, "checkpoint": 4 * probe_tokens}
     with _fresh_grads(params):
         for tier in ("keep", "checkpoint"):
-            k1, t1, n1 = one(tier, sizes[tier])
-            k2, t2, n2 = one(tier, 2 * sizes[tier])
+            k1, t1, n1 = probe_or_explain(one, tier, sizes[tier], budget, resident)
+            k2, t2, n2 = probe_or_explain(one, tier, 2 * sizes[tier], budget, resident)
             dn = max(1, n2 - n1)
             ks, ts = max(0.0, (k2 - k1) / dn), max(0.0, (t2 - t1) / dn)
             fits[tier] = (ks, ts, max(0.0, t2 - ts * n2), max(0.0, k2 - ks * n2))
@@ -497,6 +508,27 @@ def measure_costs(engine, turns: Turns, rc, temperature: float, sigma: float, pr
     transient = max(keep[1], ckpt[1])
     fixed = max(keep[2], ckpt[2] + ckpt[3])
     return TokenCosts(keep=keep[0], checkpoint=ckpt[0], transient=transient, source="measured", fixed=fixed)
+
+
+def probe_or_explain(one, tier: str, tokens: int, budget: float | None, resident: float):
+    """one(tier, tokens) -- a measure_costs probe -- or, when it runs out of device memory, a ReplayMemoryError
+    before replay saying what holds the memory and what to change (the probe is the preflight's first step: its OOM
+    is the preflight's answer, not a crash halfway through the step). The probe's tensors are gone by then."""
+    try:
+        return one(tier, tokens)
+    except torch.OutOfMemoryError as exc:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        room = "" if budget is None else (f" of a {budget / GiB:.1f} GiB budget (replay.memory_budget_gb / "
+                                          f"memory_fraction), leaving {max(0.0, budget - resident) / GiB:.1f} GiB")
+        raise ReplayMemoryError(
+            f"replay preflight: measuring replay's memory per token ran out of device memory on a {tokens}-token "
+            f"probe of the {tier} tier, with {resident / GiB:.1f} GiB resident (the trainer's weights and adapter, "
+            f"and anything else this process holds on the device: an hf sampler's weights, prefix caches){room}. "
+            "Replay cannot fit beside what is resident: free the device (a larger GPU; the sampler on another "
+            "device), or, when the costs are known, give replay.token_costs_mb {keep, checkpoint, transient} (MB per "
+            "token, e.g. the token_costs of bench/replay_27b.py or of an earlier step's replay_plan) so the probe "
+            f"is skipped. ({exc.args[0].splitlines()[0] if exc.args else exc})") from exc
 
 
 def device_budget(engine, rc) -> tuple[float | None, float]:

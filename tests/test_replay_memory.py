@@ -524,3 +524,26 @@ def test_a_layer_scope_installs_the_lean_forward_on_that_layer_only():
         with ra.scope(layers[1]):
             pass
     print(f"enter/exit: whole adapter {1e3 * (t1 - t0) / 20:.2f} ms, one layer {1e3 * (time.perf_counter() - t1) / 20:.2f} ms")
+
+
+def test_a_cost_probe_that_runs_out_of_memory_ends_the_preflight_with_what_to_change():
+    """measure_costs' probes are the preflight's first allocations: one that does not fit beside what is resident
+    (at the 27B shape on an 80 GB card: the trainer and the hf sampler's BF16 weights) stops replay with a
+    ReplayMemoryError naming the probe, the memory resident and the setting that skips the probe -- not a raw CUDA
+    out-of-memory error from inside the step."""
+    from engine.replay import GiB, ReplayMemoryError, probe_or_explain
+
+    def fits(tier, tokens):
+        return 1.0, 2.0, tokens
+
+    assert probe_or_explain(fits, "keep", 512, 72 * GiB, 16 * GiB) == (1.0, 2.0, 512)
+
+    def too_big(tier, tokens):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 170.00 MiB.\nmore lines")
+
+    with pytest.raises(ReplayMemoryError) as err:
+        probe_or_explain(too_big, "keep", 1024, 72.8 * GiB, 71.0 * GiB)
+    msg = str(err.value)
+    assert "1024-token probe of the keep tier" in msg and "71.0 GiB resident" in msg and "leaving 1.8 GiB" in msg
+    assert "replay.token_costs_mb" in msg and "Tried to allocate 170.00 MiB" in msg and "more lines" not in msg
+    assert isinstance(err.value.__cause__, torch.OutOfMemoryError)

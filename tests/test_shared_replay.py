@@ -330,12 +330,12 @@ def test_shared_replay_on_the_gpu_kernels_matches_the_per_turn_pytorch_path():
 
 def test_preflight_counts_the_shared_states_a_micro_batch_keeps():
     """state_bytes matches the tensors one node's state really holds (K/V of its prefix, conv and recurrent states),
-    and plan_replay adds each shared micro-batch's states to what its tier keeps: the estimate rises by exactly
-    that, and a budget that fits the tokens but not the states is refused naming the setting."""
+    and plan_replay adds each shared micro-batch's states to what its tier keeps and their gradients to what its
+    backward holds in flight, and a budget that fits the tokens but not the states is refused naming the setting."""
     from configs.schema import ReplayConfig
     from engine import model as M
     from engine import shared_replay as SR
-    from engine.replay import ReplayMemoryError, TokenCosts, packer_for, plan_replay
+    from engine.replay import STATE_GRAD_SHARE, ReplayMemoryError, TokenCosts, packer_for, plan_replay
 
     model = _model("dora", "float32")
     text = M._parts(model)[0]
@@ -353,7 +353,13 @@ def test_preflight_counts_the_shared_states_a_micro_batch_keeps():
     full = plan_replay(turns.lengths(), rc, costs, 0.0, 1e12, packer=packer_for(turns, rc, model))
     assert bare.microbatches == full.microbatches and bare.tokens == full.tokens
     assert full.extra_bytes and all(e > 0 for e in full.extra_bytes)
-    assert full.est_peak_bytes == pytest.approx(bare.est_peak_bytes + sum(full.extra_bytes))
+    # kept until backward: each micro-batch's tokens in its tier and its states; in flight: the largest micro-batch's
+    # transient per token and, in its backward, its states' gradients (STATE_GRAD_SHARE of the states)
+    assert set(full.tiers) == {"checkpoint"}
+    want = sum(costs.checkpoint * n + e for n, e in zip(full.tokens, full.extra_bytes)) + costs.fixed + max(
+        costs.transient * n + STATE_GRAD_SHARE * e for n, e in zip(full.tokens, full.extra_bytes))
+    assert full.est_peak_bytes == pytest.approx(want)
+    assert full.est_peak_bytes >= bare.est_peak_bytes + (1 + STATE_GRAD_SHARE) * max(full.extra_bytes) - 1
     assert full.summary()["state_gb"] > 0
     tight = bare.est_peak_bytes + 0.5 * sum(full.extra_bytes)
     plan_replay(turns.lengths(), rc, costs, 0.0, tight, packer=packer_for(turns, rc))  # tokens alone fit

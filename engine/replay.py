@@ -525,8 +525,8 @@ def probe_or_explain(one, tier: str, tokens: int, budget: float | None, resident
             f"replay preflight: measuring replay's memory per token ran out of device memory on a {tokens}-token "
             f"probe of the {tier} tier, with {resident / GiB:.1f} GiB resident (the trainer's weights and adapter, "
             f"and anything else this process holds on the device: an hf sampler's weights, prefix caches){room}. "
-            "Replay cannot fit beside what is resident: free the device (a larger GPU; the sampler on another "
-            "device), or, when the costs are known, give replay.token_costs_mb {keep, checkpoint, transient} (MB per "
+            "Replay cannot fit beside what is resident: run on a GPU with more memory (the 27B presets are sized for "
+            "one H200), or, when the costs are known, give replay.token_costs_mb {keep, checkpoint, transient} (MB per "
             "token, e.g. the token_costs of bench/replay_27b.py or of an earlier step's replay_plan) so the probe "
             f"is skipped. ({exc.args[0].splitlines()[0] if exc.args else exc})") from exc
 

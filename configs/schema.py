@@ -193,6 +193,11 @@ class SamplerConfig(_Strict):
                                                     "boundaries, an experimental vLLM mode)")
     attention_backend: str | None = Field(None, description="vLLM: pinned attention backend (None: FLASH_ATTN on "
                                                             "GPU, CPU_ATTN on CPU)")
+    weights: Literal["export", "trainer"] = Field(
+        "export", description="hf sampler: export = its own copy of the base (the export stage's; for an NF4 trainer "
+                              "its dequantized BF16 weights: fast decode, but +54 GB at the 27B shape); trainer = the "
+                              "trainer's own model, one copy of the base on the device (an NF4 27B step fits one 80 GB "
+                              "GPU, as the first seed ran it; every decode step then goes through the NF4 kernels)")
 
 
 class GenerationConfig(_Strict):
@@ -490,6 +495,10 @@ class RunConfig(_Strict):
         if self.model.quantization == "nf4" and self.device != "cuda":
             raise ValueError("model.quantization=nf4 runs through bitsandbytes' CUDA kernels: set device: cuda "
                              "(the CPU path keeps a bf16 or fp32 base)")
+        if self.sampler.weights == "trainer" and self.sampler.kind != "hf":
+            raise ValueError(f"sampler.weights=trainer samples answers on the trainer's own model, which only the hf "
+                             f"sampler can do; sampler.kind={self.sampler.kind!r} loads its own weights: set "
+                             f"sampler.kind: hf or sampler.weights: export")
         if self.latent.engine == "sampler" and self.sampler.kind != "hf":
             raise ValueError(f"latent.engine=sampler runs the latent loop on the hf sampler's model; sampler.kind="
                              f"{self.sampler.kind!r} has none: set latent.engine: trainer (or auto)")

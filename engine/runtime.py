@@ -370,9 +370,30 @@ class VllmEngine:
         return D.vllm_paths(self, cases, temperature, trainer, adapter_dir)
 
 
+SAMPLER_ON_TRAINER = "sampler-on-trainer.json"  # the export of sampler.weights: trainer (stages/export.py)
+
+
+def sampler_on_trainer(export_dir: str | Path) -> str | None:
+    """The trainer base an export names when the hf sampler runs on the trainer's own model, else None."""
+    note = Path(export_dir) / SAMPLER_ON_TRAINER
+    if not note.is_file():
+        return None
+    import json
+
+    return json.loads(note.read_text())["base"]
+
+
 def sampler(cfg, export_dir: str | Path, tok_dir: str | Path):
     """The sampler engine: the HF engine on its own copy of the base (the export stage's checkpoint), or vLLM
-    loaded from that checkpoint (``sampler.kind: vllm``; its cache lives in the run directory <run>/export/..)."""
+    loaded from that checkpoint (``sampler.kind: vllm``; its cache lives in the run directory <run>/export/..), or,
+    with ``sampler.weights: trainer``, the trainer engine itself (its base, adapter and prefix cache)."""
+    base = sampler_on_trainer(export_dir)
+    if (base is not None) != (cfg.sampler.weights == "trainer"):
+        raise ValueError(f"export {export_dir} was made for sampler.weights="
+                         f"{'trainer' if base is not None else 'export'}, the run says {cfg.sampler.weights}: rerun "
+                         f"the step from its export (lgrpo rerun --run-dir RUN --step N --stage export)")
+    if base is not None:
+        return trainer(cfg, base, tok_dir)
     key = ("sampler", cfg.sampler.kind, str(Path(export_dir).resolve()), cfg.adapter.model_dump_json(),
            cfg.model.dtype, cfg.model.attention_fp32, cfg.sampler.model_dump_json(), cfg.device,
            cfg.generation.model_dump_json())
@@ -402,6 +423,8 @@ def latent_engine(cfg, trainer: Engine, sampler) -> Engine:
     arithmetic (cuBLAS BF16 products where the trainer runs bitsandbytes' 4-bit kernels), replay re-scores them on the
     trainer as for any sampler, and one prefix cache serves the latent loop and the answers."""
     choice = cfg.latent.engine
+    if sampler is trainer:  # sampler.weights: trainer -- one model does both
+        return trainer
     if choice == "auto":
         choice = "sampler" if cfg.model.quantization == "nf4" and isinstance(sampler, Engine) else "trainer"
     if choice == "trainer":

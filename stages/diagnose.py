@@ -133,7 +133,10 @@ def diagnose(run_dir: str, step: int, gate: str, report: dict, adapter_in: str, 
                                 via_peft=True).model
         tokens, layers, graph, weights = _analyse(
             cfg, trainer, sampler, fresh_t,
-            lambda: runtime.build(cfg, export, base_in, adapter_dir=adapter_in, via_peft=True).model,
+            lambda: (runtime.build(cfg, export, base_in, adapter_dir=adapter_in, via_peft=True)
+                     if runtime.sampler_on_trainer(export) is None  # sampler.weights: trainer -- the trainer's base
+                     else runtime.build(cfg, base_in, base_in, quantization=cfg.model.quantization,
+                                        adapter_dir=adapter_in, via_peft=True)).model,
             cases, gate_values, adapter_in)
         weights.update(engine_digest=sampler.adapter_digest, step_digest=dir_digest(adapter_in))
         guilty: set[str] = set()

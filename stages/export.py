@@ -4,6 +4,7 @@ The copy is in the sampler's compute dtype (BF16 for GPU configs; the tiny CPU d
 produced by casting the trainer's base weights once, so both engines start from identical values. An NF4 base
 is dequantized here once (GPU issue), never per decode step. A checkpoint used in place (artifacts/checkpoint.py)
 under the hf sampler with an unquantized base is not written at all: the export is the run's reference again.
+With sampler.weights: trainer the hf sampler runs on the trainer's own model and the export is a note saying so.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ def export_base(run_dir: str, base_dir: str) -> dict:
     out = {"stage": "export"}
     with timer(out):
         base_hash = dir_digest(base_dir)[:16]
+        if cfg.sampler.weights == "trainer":
+            # the hf sampler runs on the trainer's own model (one copy of the base on the device): nothing to write
+            # but the note that says so, sealed like every export (engine.runtime.sampler reads it)
+            return _trainer_weights(run_dir, base_dir, base_hash, out)
         tag = "nf4-bf16" if cfg.model.quantization == "nf4" else cfg.model.dtype
         target = RunDir(run_dir).export_dir(f"{base_hash}-{tag}")
         if target.exists():
@@ -91,4 +96,25 @@ def export_base(run_dir: str, base_dir: str) -> dict:
         if shareable:
             shared_cache.store("export", target.name, target)
         out.update(path=str(target), base_hash=base_hash, cached=False)
+    return out
+
+
+def _trainer_weights(run_dir: str, base_dir: str, base_hash: str, out: dict) -> dict:
+    """sampler.weights: trainer -- the export is a sealed note naming the trainer's base (SAMPLER_ON_TRAINER)."""
+    import json
+
+    from engine.runtime import SAMPLER_ON_TRAINER
+
+    target = RunDir(run_dir).export_dir(f"{base_hash}-trainer")
+    if target.exists():
+        dir_digest(target)
+    else:
+        scratch = target.with_name(target.name + ".build")
+        if scratch.exists():
+            shutil.rmtree(scratch)
+        scratch.mkdir(parents=True)
+        (scratch / SAMPLER_ON_TRAINER).write_text(json.dumps({"base": str(Path(base_dir).resolve())}, indent=1))
+        seal_dir(scratch, target)
+        shutil.rmtree(scratch)
+    out.update(path=str(target), base_hash=base_hash, cached=False, on_trainer=True)
     return out

@@ -84,7 +84,7 @@ def generate_turn(run_dir: str, step: int, turn: int, state_in: str, adapter_in:
         sigma = cfg.latent.sigma * trainer.scale
         thinker = runtime.latent_engine(cfg, trainer, sampler)  # latent.engine: the trainer's model or the export's
         think_cache = sampler.answer_cache(trainer) if thinker is sampler else trainer.prefix_cache  # one per model
-        out["latent_engine"] = "sampler" if thinker is sampler else "trainer"
+        out["latent_engine"] = "trainer" if thinker is trainer else "sampler"  # sampler.weights: trainer -- one
         with timer(out, "latent_s"):
             # one generator per row, seeded by (run seed, step, turn, row): a row's thoughts and answer are the same
             # whatever rows share its batch or worker (engine/rng.py)

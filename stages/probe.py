@@ -134,8 +134,9 @@ def probe(run_dir: str, step: int, adapter_in: str, export_in: str, base_in: str
             problems.append(f"max gap {report['max_gap']:.3f} nat > {cfg.gates.probe_gap_max} (prompt {w['prompt']} "
                             f"token {w['token']}: trainer {w['trainer']:.3f}, sampler {w['sampler']:.3f})")
         # the same arithmetic on both sides only with the hf sampler on an unquantized base (an NF4 trainer's
-        # sampler is the BF16 export: same values, other kernels)
-        if cfg.gates.probe_layers_bitwise and cfg.sampler.kind == "hf" and cfg.model.quantization == "none":
+        # sampler is the BF16 export: same values, other kernels), or when the sampler is the trainer's own model
+        if cfg.gates.probe_layers_bitwise and cfg.sampler.kind == "hf" and (cfg.model.quantization == "none"
+                                                                           or sampler is trainer):
             layers = [D.compare_layers(D.adapter_layer_outputs(trainer.model, p, z, a, trainer.toks),
                                        D.adapter_layer_outputs(sampler.model, p, z, a, sampler.toks))
                       for p, z, a in zip(prefixes, thoughts, answers)]

@@ -563,3 +563,48 @@ def test_latent_engine_sampler_needs_the_hf_sampler():
     with pytest.raises(ValueError, match="latent.engine: trainer"):
         load_config("tiny").with_overrides(**{"latent.engine": "sampler", "sampler.kind": "vllm",
                                               "model.dtype": "bfloat16"})
+
+
+def test_sampler_on_the_trainers_weights_samples_what_the_export_samples(tmp_path):
+    """sampler.weights: trainer -- the hf sampler is the trainer engine itself (one copy of the base on the device: the
+    NF4 27B step on one 80 GB GPU). On an unquantized base the export holds the same weights in the same dtype, so a
+    turn's thoughts, densities, answers and sampler log-probs equal the export's bit for bit; the export stage writes
+    only a sealed note; an export made for the other setting is refused with the command that fixes it."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from artifacts import read_json, read_table
+    from engine import runtime
+    from stages.context import run_config
+    from stages.export import export_base
+    from stages.generate import generate_turn, sample_tasks
+    from tests.conftest import make_run
+
+    outs, exports = {}, {}
+    for weights in ("export", "trainer"):
+        run_dir = make_run(tmp_path / weights, **{"sampler.weights": weights})
+        prep = read_json(f"{run_dir}/prepared.json")
+        ex = export_base(run_dir, prep["base"])
+        exports[weights] = ex["path"]
+        state = sample_tasks(run_dir, 0, prep["base"])["path"]
+        runtime.clear()
+        outs[weights] = generate_turn(run_dir, 0, 0, state, prep["adapter_init"], ex["path"], prep["base"])
+        cfg = run_config(run_dir)
+        tr = runtime.trainer(cfg, prep["base"], prep["base"])
+        sm = runtime.sampler(cfg, ex["path"], prep["base"])
+        assert (sm is tr) == (weights == "trainer")
+        assert outs[weights]["latent_engine"] == "trainer"
+    assert ex["on_trainer"] and sorted(p.name for p in Path(exports["trainer"]).iterdir()) == \
+        [runtime.SAMPLER_ON_TRAINER, runtime.SAMPLER_ON_TRAINER + ".sha256"]  # the note and its seal
+    assert export_base(run_dir, prep["base"])["path"] == exports["trainer"]  # stable across calls
+    a, b = read_table(outs["export"]["path"]), read_table(outs["trainer"]["path"])
+    for col in ("thoughts", "thought_logq", "answer_ids", "sampler_logps"):
+        for x, y in zip(a.column(col).to_pylist(), b.column(col).to_pylist()):
+            assert np.array_equal(np.asarray(x, dtype=np.float32), np.asarray(y, dtype=np.float32)), col
+    with pytest.raises(ValueError, match="made for sampler.weights=export.*--stage export"):
+        runtime.sampler(run_config(run_dir), exports["export"], prep["base"])
+    with pytest.raises(ValueError, match="sampler.weights=trainer"):
+        load_config("tiny").with_overrides(**{"sampler.weights": "trainer", "sampler.kind": "vllm",
+                                              "model.dtype": "bfloat16"})
+    runtime.clear()

@@ -6,6 +6,8 @@ Two fresh GRPO steps of the embedded default (shrunk like every pipeline test), 
                        gap gated)
     nf4-dora    NF4 base (bitsandbytes) with FP32 DoRA masters; the hf sampler runs on the BF16 export, which the
                 export stage checks bit for bit against the trainer's dequantized weights (own prefix cache)
+    nf4-dora-on-trainer   the same with sampler.weights: trainer -- the hf sampler is the NF4 trainer itself (one copy
+                          of the base: the 27B step on one 80 GB GPU), thoughts and answers on its graphs and cache
 Per step: the latent loop runs on the CUDA-graph static cache (warm-up, capture, replays) after a prefix-cached per-row
 prefill, the hf sampler decodes the group's rows as one batch on CUDA graphs, the rollout-parity gate passes, the
 gradient is finite and non-zero. A retried turn in a fresh worker (engines dropped: cold cache, new graphs) must
@@ -28,6 +30,7 @@ pytestmark = pytest.mark.gpu
 VARIANTS = {
     "bf16-lora": {},
     "nf4-dora": {"model.quantization": "nf4", "adapter.type": "dora"},
+    "nf4-dora-on-trainer": {"model.quantization": "nf4", "adapter.type": "dora", "sampler.weights": "trainer"},
     # model.attention_fp32: the thought-density gap between generation and replay is gated (issue: gate paths); it
     # needs the reference GDN in both layouts on a GPU (fla's recurrent vs chunked kernels: 38.3 nat, the reference 2.3)
     "bf16-lora-attn32": {"model.attention_fp32": True, "model.gdn_kernels": "torch"},
@@ -89,9 +92,11 @@ def test_fresh_steps_on_cuda(tmp_path, variant):
     for e in (trainer, sampler):
         e.use_adapter(f"{run_dir}/step-0001/adapter")
     thinker = runtime.latent_engine(cfg, trainer, sampler)  # latent.engine auto: the BF16 export's model for NF4
-    assert (thinker is sampler) == (cfg.model.quantization == "nf4")
+    on_trainer = cfg.sampler.weights == "trainer"
+    assert (sampler is trainer) == on_trainer
+    assert (thinker is sampler) == (cfg.model.quantization == "nf4" or on_trainer)
     assert {g["latent_engine"] for s in steps for g in s["generate"]} == {
-        "sampler" if cfg.model.quantization == "nf4" else "trainer"}
+        "sampler" if cfg.model.quantization == "nf4" and not on_trainer else "trainer"}
     counts = thinker.latent_graph().stats()["counts"]
     figures = {"steps": []}
     for s in steps:

@@ -10,10 +10,13 @@ Every path that produces a log-prob for an answer token can be re-run in isolati
   captured into a CUDA graph and replayed or run eagerly (same step function, kernels and buffers: bitwise equal by
   contract);
 * ``adapter_layer_outputs``: the output of every adapter-wrapped Linear (LoRA/DoRA) for one input, to compare two
-  engines layer by layer (bitwise where the arithmetic is the same).
+  engines layer by layer (bitwise where the arithmetic is the same); ``compare_adapter_layers`` does that comparison
+  with one model's outputs on the host and one layer's on the device (full-size probes).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
@@ -113,20 +116,43 @@ def adapter_modules(model) -> dict[str, torch.nn.Module]:
 
 @torch.no_grad()
 def adapter_layer_outputs(model, prefix: list[int], thoughts: torch.Tensor, answer: list[int],
-                          toks: M.Tokens) -> dict[str, torch.Tensor]:
-    """Every adapter layer's output for one teacher-forced turn (forward hooks; order = module order)."""
+                          toks: M.Tokens, host: bool = False) -> dict[str, torch.Tensor]:
+    """Every adapter layer's output for one teacher-forced turn (forward hooks; order = module order). host: each
+    output is copied to the CPU as its layer runs (none stays on the model's device)."""
     outputs: dict[str, torch.Tensor] = {}
-    hooks = []
-    for name, module in adapter_modules(model).items():
-        def hook(_m, _inp, out, name=name):
-            outputs[name] = out.detach().clone()
-        hooks.append(module.register_forward_hook(hook))
-    try:
+    with _layer_hooks(model, lambda name, out: outputs.__setitem__(
+            name, out.detach().to("cpu", copy=True) if host else out.detach().clone())):
         SC.turn_hidden(model, [prefix], [thoughts], [answer], toks)
+    return outputs
+
+
+@contextmanager
+def _layer_hooks(model, fn):
+    """fn(name, output) after every adapter layer's forward, while inside."""
+    hooks = [module.register_forward_hook(lambda _m, _inp, out, name=name: fn(name, out))
+             for name, module in adapter_modules(model).items()]
+    try:
+        yield
     finally:
         for h in hooks:
             h.remove()
-    return outputs
+
+
+def _difference(name: str, x: torch.Tensor, y: torch.Tensor) -> dict | None:
+    """None when two outputs of one layer are equal bit for bit (shape, dtype, values), else how they differ."""
+    if x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y):
+        return None
+    diff = (x.float() - y.float()).abs().max().item() if x.shape == y.shape else float("inf")
+    scale = x.float().abs().max().item() or 1.0
+    return {"layer": name, "max_abs": diff, "relative": diff / scale, "dtypes": [str(x.dtype), str(y.dtype)]}
+
+
+def _layers_report(names_a: list[str], names_b: list[str], differences: dict[str, dict | None]) -> dict:
+    names = [n for n in names_a if n in set(names_b)]
+    differing = [differences[n] for n in names if differences[n] is not None]
+    return {"layers": len(names), "missing": sorted(set(names_a) ^ set(names_b)), "differing": len(differing),
+            "first_differing": differing[0] if differing else None, "worst": sorted(
+                differing, key=lambda d: -d["relative"])[:5]}
 
 
 def compare_layers(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict:
@@ -134,18 +160,32 @@ def compare_layers(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> di
 
     Returns the number of layers compared, how many are not bitwise equal, and the first such layer (in forward
     order) with its max abs difference and relative size."""
-    names = [n for n in a if n in b]
-    differing = []
-    for n in names:
-        x, y = a[n], b[n]
-        if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x, y):
-            diff = (x.float() - y.float()).abs().max().item() if x.shape == y.shape else float("inf")
-            scale = x.float().abs().max().item() or 1.0
-            differing.append({"layer": n, "max_abs": diff, "relative": diff / scale,
-                              "dtypes": [str(x.dtype), str(y.dtype)]})
-    return {"layers": len(names), "missing": sorted(set(a) ^ set(b)), "differing": len(differing),
-            "first_differing": differing[0] if differing else None, "worst": sorted(
-                differing, key=lambda d: -d["relative"])[:5]}
+    return _layers_report(list(a), list(b), {n: _difference(n, a[n], b[n]) for n in a if n in b})
+
+
+@torch.no_grad()
+def compare_adapter_layers(model_a, toks_a: M.Tokens, model_b, toks_b: M.Tokens, prefix: list[int],
+                           thoughts: torch.Tensor, answer: list[int]) -> dict:
+    """``compare_layers(adapter_layer_outputs(model_a, ...), adapter_layer_outputs(model_b, ...))`` -- the same
+    report -- without holding both models' outputs on a device: a's are copied to the host as its layers run, and
+    each of b's is compared with a's as its layer runs, then dropped. Every adapter layer's output of one turn is
+    ~7.8 MB per token at the 27B width (10 targets x 64 layers, BF16): ~28 GB for a 3.5k-token probe turn, so the
+    two dictionaries side by side (56 GB) beside the NF4 model did not fit an 80 GB GPU (sampler.weights: trainer,
+    where the probe compares layers at full size); here the device holds one layer's output at a time and the host
+    one model's outputs."""
+    a = adapter_layer_outputs(model_a, prefix, thoughts, answer, toks_a, host=True)
+    names_b: list[str] = []
+    differences: dict[str, dict | None] = {}
+
+    def check(name: str, out: torch.Tensor) -> None:
+        if name not in names_b:
+            names_b.append(name)
+        if name in a:
+            differences[name] = _difference(name, a[name], out.detach().to("cpu"))
+
+    with _layer_hooks(model_b, check):
+        SC.turn_hidden(model_b, [prefix], [thoughts], [answer], toks_b)
+    return _layers_report(list(a), names_b, differences)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -198,8 +238,7 @@ def hf_paths(engine, cases: list[dict], T: float, trainer, fresh, adapter_dir: s
             one.update({"sampler/static-graphed": g, "sampler/static-eager": e})
         paths.append(one)
     w = cases[0]
-    layers = compare_layers(adapter_layer_outputs(trainer.model, w["prefix"], w["thoughts"], w["answer"], trainer.toks),
-                            adapter_layer_outputs(m, w["prefix"], w["thoughts"], w["answer"], toks))
+    layers = compare_adapter_layers(trainer.model, trainer.toks, m, toks, w["prefix"], w["thoughts"], w["answer"])
     return {"paths": paths, "graph": graph, "layers": layers, "weights": adapter_weight_check(m, adapter_dir)}
 
 

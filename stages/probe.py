@@ -137,8 +137,7 @@ def probe(run_dir: str, step: int, adapter_in: str, export_in: str, base_in: str
         # sampler is the BF16 export: same values, other kernels), or when the sampler is the trainer's own model
         if cfg.gates.probe_layers_bitwise and cfg.sampler.kind == "hf" and (cfg.model.quantization == "none"
                                                                            or sampler is trainer):
-            layers = [D.compare_layers(D.adapter_layer_outputs(trainer.model, p, z, a, trainer.toks),
-                                       D.adapter_layer_outputs(sampler.model, p, z, a, sampler.toks))
+            layers = [D.compare_adapter_layers(trainer.model, trainer.toks, sampler.model, sampler.toks, p, z, a)
                       for p, z, a in zip(prefixes, thoughts, answers)]
             first = next((x["first_differing"] for x in layers if x["first_differing"]), None)
             report["layers"] = {"compared": sum(x["layers"] for x in layers),

@@ -115,6 +115,39 @@ def test_dora_double_rounding_fails_the_probe_and_the_diagnostic_names_the_layer
     assert saved["adapter_weights"]["differing"] == 0, "the weights are right; the arithmetic is not"
 
 
+def test_streamed_layer_comparison_reports_what_the_two_dictionaries_report():
+    """compare_adapter_layers (one model's layer outputs on the host, the other's compared as its layers run: what
+    the probe uses, so a full-size probe on one 80 GB GPU does not hold two sets of outputs) gives compare_layers'
+    report on the same pair: the same model twice (nothing differs), and a second model whose one adapter layer
+    rounds through BF16 (that layer is the first differing one, with the same size of difference)."""
+    import copy
+
+    from engine import diagnose as D
+    from tests.test_cuda_graphs import TOKS, _model
+
+    model = _model(adapter="dora")
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(4, 64, (19,), generator=g).tolist()
+    thoughts = torch.randn(3, 128, generator=g) * 0.5
+    answer = torch.randint(4, 64, (5,), generator=g).tolist()
+    full = lambda a, b: D.compare_layers(D.adapter_layer_outputs(a, prefix, thoughts, answer, TOKS),  # noqa: E731
+                                         D.adapter_layer_outputs(b, prefix, thoughts, answer, TOKS))
+    streamed = lambda a, b: D.compare_adapter_layers(a, TOKS, b, TOKS, prefix, thoughts, answer)  # noqa: E731
+    same = streamed(model, model)
+    assert same == full(model, model)
+    assert same["layers"] == len(D.adapter_modules(model)) > 0 and same["differing"] == 0 and not same["missing"]
+
+    other = copy.deepcopy(model)
+    names = list(D.adapter_modules(other))
+    victim = D.adapter_modules(other)[names[len(names) // 2]]
+    plain = victim.forward
+    victim.forward = lambda x, *a, **k: plain(x, *a, **k).to(torch.bfloat16).float()
+    report = streamed(model, other)
+    assert report == full(model, other)
+    assert report["differing"] >= 1 and report["first_differing"]["layer"] == names[len(names) // 2]
+    assert report["first_differing"]["max_abs"] > 0
+
+
 def test_probe_checkpoint_and_bitwise_thoughts_on_a_healthy_run(tmp_path):
     from artifacts import read_json, read_jsonl
     from engine import latent as LT

@@ -20,7 +20,7 @@ import torch
 from artifacts import RunDir, append_jsonl, read_table, to_tensor_list, verify, write_json
 from artifacts.tables import table_meta, write_replay
 from engine import gates
-from engine.replay import LiveGraphs, OnePass, Turns, plan_for
+from engine.replay import GiB, LiveGraphs, OnePass, ReplayMemoryError, Turns, plan_for
 from stages import faults
 from stages.context import run_config, timer
 
@@ -71,7 +71,16 @@ def _scored(cfg, step: int, rollouts_in: str, adapter_in: str, base_in: str, kee
     sub = Turns(prefixes=[turns.prefixes[i] for i in ids], thoughts=[turns.thoughts[i] for i in ids],
                 answers=[turns.answers[i] for i in ids], rows=[turns.rows[i] for i in ids])
     one_pass = one_pass and keep_graph and turn_ids is None
-    plan = plan_for(engine, sub, cfg.replay, cfg.sampler.temperature, sigma, one_pass)  # raises before any scoring
+    try:
+        plan = plan_for(engine, sub, cfg.replay, cfg.sampler.temperature, sigma, one_pass)  # raises before scoring
+    except ReplayMemoryError as exc:
+        held = runtime.other_models_bytes(engine) if cfg.sampler.kind == "hf" else 0
+        if not held:
+            raise
+        raise ReplayMemoryError(
+            f"{exc}. Of the memory resident, {held / GiB:.1f} GiB is the hf sampler's own copy of the base "
+            "(sampler.weights: export): --set sampler.weights=trainer makes the sampler generate on the trainer's "
+            "model instead (one copy of the base; the 27B step on one 80 GB GPU runs so)") from exc
     mbs = [[ids[j] for j in mb] for mb in plan.microbatches]
     graphs = plan.graphs or [None] * len(mbs)
     ans_lp, logq, live = {}, {}, LiveGraphs()

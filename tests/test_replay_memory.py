@@ -547,3 +547,44 @@ def test_a_cost_probe_that_runs_out_of_memory_ends_the_preflight_with_what_to_ch
     assert "1024-token probe of the keep tier" in msg and "71.0 GiB resident" in msg and "leaving 1.8 GiB" in msg
     assert "replay.token_costs_mb" in msg and "Tried to allocate 170.00 MiB" in msg and "more lines" not in msg
     assert isinstance(err.value.__cause__, torch.OutOfMemoryError)
+
+
+def test_a_refused_replay_plan_names_the_samplers_copy_of_the_base_and_the_setting_that_frees_it(tmp_path):
+    """When the preflight refuses and an hf sampler holds its own copy of the base (sampler.weights: export), the
+    replay stage's error adds how much that copy holds and names sampler.weights=trainer (at the 27B shape on an
+    80 GB GPU it is 54 GB of the memory resident); nothing is scored before the error."""
+    from artifacts import read_json
+    from engine import runtime
+    from engine.replay import GiB, ReplayMemoryError
+    from stages.context import run_config
+    from stages.export import export_base
+    from stages.generate import generate_turn, sample_tasks
+    from stages.gym import run_gym
+    from stages.replay import replay
+    from stages.rollouts import collect_rollouts
+    from tests.conftest import make_run
+
+    runtime.clear()
+    run_dir = make_run(tmp_path / "run", **{"gym.max_turns": 1, "replay.memory_budget_gb": 1e-4})
+    cfg = run_config(run_dir)
+    prep = read_json(f"{run_dir}/prepared.json")
+    base, adapter = prep["base"], prep["adapter_init"]
+    export = export_base(run_dir, base)["path"]
+    state = sample_tasks(run_dir, 0, base)["path"]
+    tr = generate_turn(run_dir, 0, 0, state, adapter, export, base)
+    gr = run_gym(run_dir, 0, 0, state, tr["path"], base)
+    ro = collect_rollouts(run_dir, 0, [tr["path"]], [gr["path"]])
+    sampler = runtime.sampler(cfg, export, base)
+    trainer = runtime.trainer(cfg, base, base)
+    assert sampler is not trainer
+    held = sum(t.numel() * t.element_size() for t in [*sampler.model.parameters(), *sampler.model.buffers()])
+    assert runtime.other_models_bytes(trainer) == held > 0
+    assert runtime.other_models_bytes(sampler) > 0  # the trainer's model, seen from the sampler
+    with pytest.raises(ReplayMemoryError) as err:
+        replay(run_dir, 0, ro["path"], adapter, base, True)
+    msg = str(err.value)
+    assert msg.startswith("replay preflight") and "exceeds the budget" in msg, msg
+    assert f"{held / GiB:.1f} GiB is the hf sampler's own copy of the base" in msg
+    assert "--set sampler.weights=trainer" in msg
+    assert isinstance(err.value.__cause__, ReplayMemoryError)
+    runtime.clear()

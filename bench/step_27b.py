@@ -2,6 +2,7 @@
 
     python bench/step_27b.py --groups 1 --out bench/results/h200-step-27b-g1.json     # 4 rows (one group of 4)
     python bench/step_27b.py --groups 4 --out bench/results/h200-step-27b-g4.json     # 16 rows
+    python bench/step_27b.py --groups 1 --set sampler.weights=trainer               # one 80 GB GPU (H100)
     python bench/step_27b.py --config tiny                                           # the flow on the CPU
 
 Runs `lgrpo train --config qwen35-27b-step` (Prefect: one step flow per GRPO step, every gate, Arrow/safetensors

@@ -115,20 +115,22 @@ def test_dora_double_rounding_fails_the_probe_and_the_diagnostic_names_the_layer
     assert saved["adapter_weights"]["differing"] == 0, "the weights are right; the arithmetic is not"
 
 
-def test_streamed_layer_comparison_reports_what_the_two_dictionaries_report():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_streamed_layer_comparison_reports_what_the_two_dictionaries_report(device):
     """compare_adapter_layers (one model's layer outputs on the host, the other's compared as its layers run: what
     the probe uses, so a full-size probe on one 80 GB GPU does not hold two sets of outputs) gives compare_layers'
     report on the same pair: the same model twice (nothing differs), and a second model whose one adapter layer
-    rounds through BF16 (that layer is the first differing one, with the same size of difference)."""
+    is scaled by 1 + 2^-6 (that layer is the first differing one, with the same size of difference). On a GPU the
+    outputs cross to the host: same report."""
     import copy
 
     from engine import diagnose as D
     from tests.test_cuda_graphs import TOKS, _model
 
-    model = _model(adapter="dora")
+    model = _model(adapter="dora", dtype="bfloat16" if device == "cuda" else "float32", device=device)
     g = torch.Generator().manual_seed(1)
     prefix = torch.randint(4, 64, (19,), generator=g).tolist()
-    thoughts = torch.randn(3, 128, generator=g) * 0.5
+    thoughts = (torch.randn(3, 128, generator=g) * 0.5).to(device)
     answer = torch.randint(4, 64, (5,), generator=g).tolist()
     full = lambda a, b: D.compare_layers(D.adapter_layer_outputs(a, prefix, thoughts, answer, TOKS),  # noqa: E731
                                          D.adapter_layer_outputs(b, prefix, thoughts, answer, TOKS))
@@ -141,7 +143,7 @@ def test_streamed_layer_comparison_reports_what_the_two_dictionaries_report():
     names = list(D.adapter_modules(other))
     victim = D.adapter_modules(other)[names[len(names) // 2]]
     plain = victim.forward
-    victim.forward = lambda x, *a, **k: plain(x, *a, **k).to(torch.bfloat16).float()
+    victim.forward = lambda x, *a, **k: (plain(x, *a, **k) * (1 + 2 ** -6)).to(x.dtype)  # off by a BF16 step
     report = streamed(model, other)
     assert report == full(model, other)
     assert report["differing"] >= 1 and report["first_differing"]["layer"] == names[len(names) // 2]

@@ -148,7 +148,8 @@ def _difference(name: str, x: torch.Tensor, y: torch.Tensor) -> dict | None:
 
 
 def _layers_report(names_a: list[str], names_b: list[str], differences: dict[str, dict | None]) -> dict:
-    names = [n for n in names_a if n in set(names_b)]
+    in_b = set(names_b)
+    names = [n for n in names_a if n in in_b]
     differing = [differences[n] for n in names if differences[n] is not None]
     return {"layers": len(names), "missing": sorted(set(names_a) ^ set(names_b)), "differing": len(differing),
             "first_differing": differing[0] if differing else None, "worst": sorted(
@@ -174,18 +175,14 @@ def compare_adapter_layers(model_a, toks_a: M.Tokens, model_b, toks_b: M.Tokens,
     where the probe compares layers at full size); here the device holds one layer's output at a time and the host
     one model's outputs."""
     a = adapter_layer_outputs(model_a, prefix, thoughts, answer, toks_a, host=True)
-    names_b: list[str] = []
-    differences: dict[str, dict | None] = {}
+    differences: dict[str, dict | None] = {}  # b's layers in forward order; None: equal to a's (or a has none)
 
     def check(name: str, out: torch.Tensor) -> None:
-        if name not in names_b:
-            names_b.append(name)
-        if name in a:
-            differences[name] = _difference(name, a[name], out.detach().to("cpu"))
+        differences[name] = _difference(name, a[name], out.detach().to("cpu")) if name in a else None
 
     with _layer_hooks(model_b, check):
         SC.turn_hidden(model_b, [prefix], [thoughts], [answer], toks_b)
-    return _layers_report(list(a), names_b, differences)
+    return _layers_report(list(a), list(differences), differences)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -446,11 +446,12 @@ def clear() -> None:
     _TOKENIZERS.clear()
 
 
-def _tensor_bytes(tensors, seen: set) -> int:
-    """Bytes of the CUDA storages among `tensors`, each storage counted once across calls sharing `seen`."""
+def _tensor_bytes(tensors, seen: set, device: torch.device | None = None) -> int:
+    """Bytes of the storages among `tensors` on `device` (None: any CUDA device), each storage counted once across
+    calls sharing `seen`."""
     n = 0
     for t in tensors:
-        if isinstance(t, torch.Tensor) and t.is_cuda:
+        if isinstance(t, torch.Tensor) and (t.is_cuda if device is None else _same_device(t.device, device)):
             st = t.untyped_storage()
             key = (st.data_ptr(), st.nbytes())
             if key not in seen:
@@ -495,19 +496,19 @@ def memory_census() -> dict:
             "engines": engines, "unaccounted_gb": round(allocated / GB - held, 2)}
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
 def other_models_bytes(engine: Engine) -> int:
     """Bytes of parameters and buffers that the other hf engines' models (an hf sampler's own copy of the base: the
-    in-memory or on-disk BF16 export) hold on `engine`'s device. The replay stage names them when its preflight
-    refuses: with sampler.weights: export they are resident beside the trainer (54 GB at the 27B shape)."""
-    seen, total = set(), 0
-    for e in _ENGINES.values():
-        if not isinstance(e, Engine) or e is engine or e.model is engine.model or id(e.model) in seen:
-            continue
-        seen.add(id(e.model))
-        for t in list(e.model.parameters()) + list(e.model.buffers()):
-            if t.device == engine.device or (t.device.type == engine.device.type == "cpu"):
-                total += t.numel() * t.element_size()
-    return total
+    in-memory or on-disk BF16 export) hold on `engine`'s device, storages `engine`'s model shares not counted. The
+    replay stage names them when its preflight refuses: with sampler.weights: export they are resident beside the
+    trainer (54 GB at the 27B shape)."""
+    weights = lambda e: [*e.model.parameters(), *e.model.buffers()]  # noqa: E731
+    seen: set = set()
+    _tensor_bytes(weights(engine), seen, engine.device)  # the engine's own storages
+    return sum(_tensor_bytes(weights(e), seen, engine.device) for e in _ENGINES.values() if isinstance(e, Engine))
 
 
 def release_prefix_caches() -> None:

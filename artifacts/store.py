@@ -191,8 +191,9 @@ _VERIFIED: dict[str, tuple[tuple, str]] = {}  # path -> (stat signature of file 
 _SETTLED_NS, _SETTLED_WHOLE_SECONDS_NS = 100_000_000, 2_000_000_000
 
 
-def _stat_signature(p: Path) -> tuple:
-    st, sd = os.stat(p), os.stat(sidecar_path(p))
+def _stat_signature(p: PathLike) -> tuple:
+    name = os.fspath(p)
+    st, sd = os.stat(name), os.stat(name + SIDECAR_SUFFIX)
     return tuple((x.st_dev, x.st_ino, x.st_size, x.st_mtime_ns, x.st_ctime_ns) for x in (st, sd))
 
 
@@ -207,7 +208,10 @@ def verified_digest(path: PathLike) -> str:
     timestamps come from a coarse clock, so a write within the same tick as the remembered one could otherwise keep
     the signature (the "racy" case git's index also guards against). Readers of artifacts keep calling :func:`verify`."""
     p = Path(path)
-    key = str(p.resolve()) if p.exists() else str(p)
+    # the key only names the entry: what makes a hit is the stat signature (device and inode of file and sidecar
+    # included), so a path reached another way (a symlink, another working directory) at worst hashes once more.
+    # No resolve(): it costs an lstat per path component, on every input of every task's cache key.
+    key = os.path.abspath(p)
     t0 = time.time_ns()  # settled is judged at the first stat: a write after it gets a later timestamp
     try:
         before = _stat_signature(p)
@@ -533,16 +537,35 @@ def dir_digest(path: PathLike, verify_file: Callable[[PathLike], str] | None = N
     if not root.is_dir():
         raise ArtifactError(root, "artifact directory is missing", _MISSING_HINT)
     entries = []
-    for file in sorted(p for p in root.rglob("*") if p.is_file() and not _is_temp_name(p.name)):
-        rel = file.relative_to(root).as_posix()
-        if file.name.endswith(SIDECAR_SUFFIX):
-            if not file.with_name(file.name[: -len(SIDECAR_SUFFIX)]).is_file():
+    for rel, file, names in sorted(_dir_files(root)):
+        if rel.endswith(SIDECAR_SUFFIX):
+            if rel.rpartition("/")[2][: -len(SIDECAR_SUFFIX)] not in names:
                 raise ArtifactError(file, "sidecar without its artifact")
             continue
         entries.append((rel, verify_file(file)))
     if not entries:
         raise ArtifactError(root, "artifact directory is empty", _MISSING_HINT)
     return _dir_digest_of(entries)
+
+
+def _dir_files(root: Path, prefix: str = ""):
+    """(relative posix name, path, names of the regular files beside it) of every regular file under `root`,
+    recursively, leftover temporary files of interrupted writes left out; symlinks followed like ``Path.rglob`` +
+    ``is_file`` did (one scandir per directory: content-keyed caches list the same adapter and base directories for
+    every task's key)."""
+    files, dirs = [], []
+    with os.scandir(root) as it:
+        for e in it:
+            if e.is_file():
+                if not _is_temp_name(e.name):
+                    files.append(e)
+            elif e.is_dir(follow_symlinks=False):
+                dirs.append(e)
+    names = frozenset(e.name for e in files)
+    for e in files:
+        yield prefix + e.name, Path(e.path), names
+    for e in dirs:
+        yield from _dir_files(Path(e.path), prefix + e.name + "/")
 
 
 def _dir_digest_of(entries) -> str:

@@ -271,6 +271,38 @@ def test_dir_digest_and_adapter_replace(tmp_path: Path) -> None:
         dir_digest(target)
 
 
+def test_dir_digest_lists_a_tree_as_rglob_did(tmp_path: Path) -> None:
+    """dir_digest walks with one scandir per directory (cache keys list the same directories for every task): the
+    same files as ``rglob('*')`` + ``is_file()`` -- nested files by their relative posix names, symlinked files
+    followed, symlinked directories not entered, leftover temporary files of interrupted writes left out -- and the
+    same errors."""
+    from artifacts import store
+
+    root = tmp_path / "tree"
+    write_json(root / "a.json", {"a": 1})
+    write_json(root / "sub" / "deep" / "b.json", {"b": 2})
+    write_json(tmp_path / "outside" / "c.json", {"c": 3})
+    (root / "linked-dir").symlink_to(tmp_path / "outside", target_is_directory=True)
+    (root / "linked.json").symlink_to(root / "a.json")
+    (root / "linked.json.sha256").symlink_to(root / "a.json.sha256")
+    (root / f".a.json{store._TMP_MARK}0123").write_text("half-written")
+
+    def by_rglob(path: Path) -> str:  # the listing dir_digest used before
+        entries = []
+        for f in sorted(p for p in path.rglob("*") if p.is_file() and not store._is_temp_name(p.name)):
+            if not f.name.endswith(store.SIDECAR_SUFFIX):
+                entries.append((f.relative_to(path).as_posix(), verify(f)))
+        return store._dir_digest_of(entries)
+
+    rels = sorted(rel for rel, _, _ in store._dir_files(root))
+    assert rels == ["a.json", "a.json.sha256", "linked.json", "linked.json.sha256", "sub/deep/b.json",
+                    "sub/deep/b.json.sha256"]
+    assert dir_digest(root) == by_rglob(root)
+    (root / "sub" / "deep" / "b.json").unlink()
+    with pytest.raises(ArtifactError, match="sidecar without its artifact"):
+        dir_digest(root)
+
+
 def test_verified_digest_is_remembered_only_while_file_and_sidecar_are_unchanged(tmp_path: Path, monkeypatch) -> None:
     """Cache keys ask for the same artifacts' digests many times (content_digest): a settled file is hashed once, and
     any write to it or its sidecar -- in place (a flipped byte) or an atomic replace -- is hashed and verified again."""

@@ -56,6 +56,26 @@ def build_random_model(arch: dict, vocab_size: int, pad_id: int, eos_id: int, se
     return model.to(DTYPES[dtype])
 
 
+def _preorder(module):
+    """``module.modules()``'s order without its memo: ``named_modules`` keeps every module it yielded in a set until
+    the walk ends, so a decoder layer's BF16 Linear modules, replaced by NF4 ones in build_random_on's after_layer,
+    stayed alive to the end of the build (peak: the whole BF16 model's linear weights beside the NF4 ones, ~62 GB at
+    the 27B shape; a second engine built beside the first ran out of memory on an 80 GB GPU). Here a module is held
+    only while the walk is inside it; a module reached twice is yielded once, as modules() does."""
+    seen = set()
+
+    def walk(mod):
+        if id(mod) in seen:
+            return
+        seen.add(id(mod))  # an id, not the module: the walk never holds what it has left
+        yield mod
+        for child in list(mod._modules.values()):
+            if child is not None:
+                yield from walk(child)
+
+    return walk(module)
+
+
 RANDOM_BASE = "random_base.json"  # a base that is a recipe, not weights: arch + seed, built where it runs
 
 
@@ -66,7 +86,8 @@ def build_random_on(arch: dict, vocab_size: int, pad_id: int, eos_id: int, seed:
     on a GPU, never on the CPU). Deterministic in (arch, seed, device type). init=False leaves the weights unset for
     the caller to fill (e.g. from a dequantized NF4 base). after_layer(layer) runs once a decoder layer is complete
     (all its weights set), before the next one is materialized: the NF4 build quantizes there, so the whole BF16
-    model never exists on the device at once (peak: the quantized model plus one BF16 layer)."""
+    model never exists on the device at once (peak: the quantized model plus one BF16 layer; the walk is _preorder,
+    which lets a replaced layer go: bench/build_memory.py measures it)."""
     from transformers import Qwen3_5ForCausalLM
 
     cfg = tiny_config(arch, vocab_size, pad_id, eos_id)
@@ -81,7 +102,7 @@ def build_random_on(arch: dict, vocab_size: int, pad_id: int, eos_id: int, seed:
         last_of[id(last)] = layer
     done = set()
     with torch.no_grad():
-        for mod in model.modules():
+        for mod in _preorder(model):
             mod.to_empty(device=device, recurse=False)
             name = type(mod).__name__
             if not init:
@@ -108,6 +129,7 @@ def build_random_on(arch: dict, vocab_size: int, pad_id: int, eos_id: int, seed:
                 missed = [n for n, p in layer.named_parameters() if id(p) not in done]
                 if missed and init:
                     raise RuntimeError(f"uninitialized parameters: {missed[:5]}")
+                done.difference_update(id(p) for p in layer.parameters())  # checked: ids of freed tensors get reused
                 if after_layer is not None:
                     after_layer(layer)
     missed = [n for n, p in model.named_parameters() if id(p) not in done and not n.startswith("model.layers.")]

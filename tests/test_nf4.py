@@ -210,6 +210,37 @@ def test_random_base_built_layer_by_layer_has_the_whole_build_values():
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_random_base_build_frees_each_layers_replaced_modules_before_the_next_layer():
+    """The NF4 build replaces a decoder layer's Linear modules in after_layer; the replaced BF16 modules must be gone
+    before the next layer is handed over (peak: the quantized model plus one BF16 layer). modules()' memo had kept
+    every one of them to the end of the build: ~62 GB at the 27B shape, and verify-checkpoint's second engine ran out
+    of memory on an 80 GB H100 (bench/results/h100-step-27b-g1-on-trainer-verify-oom-2026-12-07.json)."""
+    import weakref
+
+    arch = load_config("tiny").model.arch
+    replaced = []  # (layer index, weakref to a replaced Linear)
+    alive_at_handover = []
+
+    def hook(layer):
+        idx = len(alive_at_handover)
+        alive_at_handover.append([i for i, r in replaced if r() is not None])
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is torch.nn.Linear:
+                    new = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                    new.load_state_dict(child.state_dict())
+                    setattr(parent, name, new)
+                    replaced.append((idx, weakref.ref(child)))
+
+    model = M.build_random_on(arch, V, TOKS.pad, TOKS.eos, 3, torch.bfloat16, "cpu", after_layer=hook)
+    assert len(alive_at_handover) == len(model.model.layers) and replaced
+    assert alive_at_handover == [[] for _ in alive_at_handover]  # no earlier layer's old modules when a layer is done
+    assert all(r() is None for _, r in replaced)
+    whole = M.build_random_on(arch, V, TOKS.pad, TOKS.eos, 3, torch.bfloat16, "cpu")
+    a, b = whole.state_dict(), model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the walk's order: the same values
+
+
 @pytest.mark.gpu
 def test_random_nf4_base_quantized_per_layer_equals_quantizing_the_whole_model(tmp_path):
     """engine.nf4.load_base_nf4 on a random-base recipe quantizes each layer as it is built (peak: the NF4 model plus

@@ -59,9 +59,10 @@ def build_random_model(arch: dict, vocab_size: int, pad_id: int, eos_id: int, se
 def _preorder(module):
     """``module.modules()``'s order without its memo: ``named_modules`` keeps every module it yielded in a set until
     the walk ends, so a decoder layer's BF16 Linear modules, replaced by NF4 ones in build_random_on's after_layer,
-    stayed alive to the end of the build (peak: the whole BF16 model's linear weights beside the NF4 ones, ~62 GB at
-    the 27B shape; a second engine built beside the first ran out of memory on an 80 GB GPU). Here a module is held
-    only while the walk is inside it; a module reached twice is yielded once, as modules() does."""
+    stayed alive to the end of the build (the whole BF16 model's linear weights beside the NF4 ones: a 66 GB peak at
+    the 27B shape against 18 GB; a second engine built beside the first ran out of memory on an 80 GB GPU:
+    bench/results/h100-build-memory-27b-nf4-2026-12-07.json). Here a module is held only while the walk is inside it;
+    a module reached twice is yielded once, as modules() does."""
     seen = set()
 
     def walk(mod):

@@ -192,7 +192,7 @@ _SETTLED_NS, _SETTLED_WHOLE_SECONDS_NS = 100_000_000, 2_000_000_000
 
 
 def _stat_signature(p: PathLike) -> tuple:
-    name = os.fspath(p)
+    name = os.fspath(p)  # sidecar_path's name, without building Paths: every input of every task's cache key
     st, sd = os.stat(name), os.stat(name + SIDECAR_SUFFIX)
     return tuple((x.st_dev, x.st_ino, x.st_size, x.st_mtime_ns, x.st_ctime_ns) for x in (st, sd))
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-HBM_TBS = 4.8  # H200 HBM3e, TB/s (the floor's yardstick)
+HBM_TBS = 4.8  # H200 HBM3e, TB/s (the floor's yardstick); main() sets 3.35 on an H100 (HBM3)
 ATTN_KEYS = (4096, 8192)  # cache positions of the attention cases
 
 # (out, in, count per step) of the 27B model's quantized projections (Qwen3.5-27B text shape)
@@ -145,7 +145,8 @@ def sweep_attention(dev, quick: bool) -> dict:
     return out
 
 
-def sweep_nf4(dev, quick: bool, luts=("shuffle", "select"), mmas=(True, False)) -> dict:
+def sweep_nf4(dev, quick: bool, luts=("shuffle", "select"), mmas=(True, False), forms=("gemm",),
+              refine: int = 1) -> dict:
     import bitsandbytes as bnb
     import torch
 
@@ -197,24 +198,35 @@ def sweep_nf4(dev, quick: bool, luts=("shuffle", "select"), mmas=(True, False)) 
         print("nf4", json.dumps({k: v for k, v in row.items() if k != "ms"}), flush=True)
         return row
 
-    stage1 = [{"block_n": bn, "block_k": bk, "lut": lut, "mma": mma, "programs": 512, "warps": 4, "stages": 3}
-              for bn, bk, lut, mma in itertools.product((32, 64, 128, 256), (64, 256),
-                                                        luts, mmas)  # gather/pairs: 90-95 ms (2026-12-03)
-              if mma or bn <= 128]  # register products: (4, BN, 32) FP32 per step
+    stage1 = [{**default}]  # today's layout, timed in the same run
+    if "gemm" in forms:
+        stage1 += [{"block_n": bn, "block_k": bk, "lut": lut, "mma": mma, "programs": 512, "warps": 4, "stages": 3,
+                    "form": "gemm"}
+                   for bn, bk, lut, mma in itertools.product((32, 64, 128, 256), (64, 256),
+                                                             luts, mmas)  # gather/pairs: 90-95 ms (2026-12-03)
+                   if mma or bn <= 128]  # register products: (4, BN, 32) FP32 per step
+    if "fma" in forms:  # four (BN, 32) FP32 accumulators per program: BN <= 64 keeps them in registers
+        stage1 += [{"block_n": bn, "block_k": bk, "lut": lut, "mma": False, "programs": pr, "warps": w, "stages": 3,
+                    "form": "fma"}
+                   for bn, bk, lut, pr, w in itertools.product((16, 32, 64), (64, 256), luts, (1024,), (4,))]
+    if "wdot" in forms:  # the weights as the MMA's first operand: 64 or 128 outputs per program
+        stage1 += [{"block_n": bn, "block_k": bk, "lut": lut, "mma": True, "programs": 1024, "warps": 4,
+                    "stages": 3, "form": "wdot"}
+                   for bn, bk, lut in itertools.product((64, 128), (64, 256), luts)]
     if quick:
         stage1 = stage1[:3]
     rows = [run(c) for c in stage1]
     good = sorted((r for r in rows if r["ok"]), key=lambda r: r["step_ms"])
     stage2 = []
-    for best in good[:1]:
-        for w, st, pr in itertools.product((4, 8), (2, 3, 4), (512, 1024)):
+    for best in good[:refine]:
+        for w, st, pr in itertools.product((4, 8), (2, 3, 4), (512, 1024, 2048)):
             c = {"block_n": best["block_n"], "block_k": best["block_k"], "lut": best["lut"],
-                 "mma": best["mma"], "programs": pr, "warps": w, "stages": st}
+                 "mma": best["mma"], "programs": pr, "warps": w, "stages": st, "form": best.get("form", "gemm")}
             if c not in stage2 and not any(all(r.get(k) == v for k, v in c.items()) for r in rows):
                 stage2.append(c)
     rows += [run(c) for c in (stage2[:4] if quick else stage2)]
     good = sorted((r for r in rows if r["ok"]), key=lambda r: r["step_ms"])
-    keys = ("block_n", "block_k", "lut", "mma", "programs", "warps", "stages")
+    keys = ("block_n", "block_k", "lut", "mma", "programs", "warps", "stages", "form")
     best = good[0] if good else None
     NK.CONFIG.clear()
     NK.CONFIG.update({**default, **({k: best[k] for k in keys} if best else {})})
@@ -239,9 +251,12 @@ def main() -> int:
     p.add_argument("--out", default=None, help="write the JSON here")
     p.add_argument("--only", choices=["attention", "nf4"], default=None)
     p.add_argument("--quick", action="store_true", help="a few layouts only (a smoke run)")
-    p.add_argument("--luts", nargs="+", default=["shuffle", "select"], choices=["shuffle", "select", "gather", "pairs"],
+    p.add_argument("--luts", nargs="+", default=["shuffle", "select"], choices=["shuffle", "select", "gather", "pairs", "prmt"],
                    help="NF4 level lookups to sweep (engine.nf4_kernels.CONFIG lut)")
     p.add_argument("--tensor-cores-only", action="store_true", help="NF4: skip the register-product layouts")
+    p.add_argument("--forms", nargs="+", default=["gemm", "fma", "wdot"], choices=["gemm", "fma", "wdot"],
+                   help="NF4 kernel forms to sweep (engine.nf4_kernels.CONFIG form)")
+    p.add_argument("--stage2", type=int, default=1, help="NF4: refine warps/stages/programs around this many best")
     a = p.parse_args()
     import torch
 
@@ -251,6 +266,9 @@ def main() -> int:
     dev = torch.device("cuda")
     t0 = time.perf_counter()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    global HBM_TBS
+    HBM_TBS = 3.35 if "H100" in res["device"] else 4.8
+    res["hbm_tb_per_s"] = HBM_TBS  # the floors' yardstick
     import triton
 
     res["triton"] = triton.__version__
@@ -258,7 +276,8 @@ def main() -> int:
         res["attention"] = sweep_attention(dev, a.quick)
         print("attention best", res["attention"]["best"], res["attention"].get("per_step_ms_16_layers"), flush=True)
     if a.only in (None, "nf4"):
-        res["nf4"] = sweep_nf4(dev, a.quick, tuple(a.luts), (True,) if a.tensor_cores_only else (True, False))
+        res["nf4"] = sweep_nf4(dev, a.quick, tuple(a.luts), (True,) if a.tensor_cores_only else (True, False),
+                               tuple(a.forms), a.stage2)
         print("nf4 best", res["nf4"]["best"], res["nf4"]["per_step_ms_496_projections"], flush=True)
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     if a.out:

@@ -21,17 +21,21 @@ and the outputs against FP64 are within 1.25x of the dequantize-then-matmul path
 depend on the other rows (fixed per-shape layout). CONFIG holds the launch layout; bench/kernel_sweep.py times the
 alternatives.
 
-Status (one H200, 2026-12-03; `python3 bench/kernel_sweep.py --only nf4`: 4 rows through the 496 projections of
-the 27B model, timed inside CUDA graphs): qualified at every layout -- the in-register weights equal
-dequantize_4bit's bit for bit -- and **24.7 ms per step** at CONFIG's layout (128 outputs x 64 inputs per step; each
-row's 16 dequantized values per absmax block computed once and gathered in registers; tensor cores; 1,024 programs;
-bench/results/h200-kernel-sweep-nf4-shuffle-2026-12-03.json), against bitsandbytes' 34.9 ms, cuBLAS on the BF16
-copy 13.7 ms and an NF4 floor of 2.9 ms. Earlier layouts (bench/results/h200-kernel-sweep-nf4-2026-12-03.json): a
-15-way select per weight 39.4-41.0 ms, gathers from a table in memory 90-95 ms, products in registers instead of
-tensor cores 106-111 ms; the first version, with a per-byte absmax gather, 66 ms. The kernel is still bound by
-decode work, not memory. model.nf4_kernels defaults to auto; the NF4 trainer's latent step was last measured
-end to end with the select layout (48.3 vs 43.5 ms with bitsandbytes,
-bench/results/h200-recipe-27b-nf4-kernels-2026-12-03.json), not yet with this one.
+Status: **16.4 ms per step** on one H100 at CONFIG's layout (4 rows through the 496 projections of the 27B model,
+timed inside CUDA graphs; `python3 bench/kernel_sweep.py --only nf4 --forms wdot --luts prmt`,
+bench/results/h100-kernel-sweep-nf4-prmt-2026-12-07.json), against 24.95 ms for the previous layout in the same run,
+bitsandbytes' 34.7 ms and cuBLAS on the BF16 copy 18.9 ms (H100 floors: NF4 4.1 ms, BF16 14.5 ms). Qualified: the
+in-register weights equal dequantize_4bit's bit for bit, rows alone bit for bit. What made it faster (read from the
+compiled loop's SASS, compiled ahead of time on the CPU for sm_90): every earlier layout was bound by instructions,
+not memory -- the "shuffle" lookup (tl.gather over each row's 16 values) costs 15.5 instructions per weight (shuffles
+plus selects), the select tree 25. The "prmt" lookup (engine/_nf4_triton.py TABLE_ASM / LOOKUP_ASM, inline PTX):
+each row's 16 BF16 values per absmax block as two byte planes in 8 registers, each pair of packed bytes looked up
+with byte permutes -- 7.4 instructions per weight in the loop, no shuffles. The "wdot" form makes the weights the
+MMA's first operand (taken from registers). Still instruction bound (4x the NF4 floor): each row's table is built by
+the four threads that share the row in the MMA operand layout. Earlier measurements: H200 2026-12-03 shuffle 24.7 ms
+(bench/results/h200-kernel-sweep-nf4-shuffle-2026-12-03.json), select 39.4-41.0, gathers from memory 90-95, products
+in registers 106-111; the "fma" form (four FP32 accumulators, no tensor cores) 28 ms at best on the H100
+(bench/results/h100-kernel-sweep-nf4-forms-2026-12-07.json).
 
 Use: `install(mode, device)` once per process before a static decoder captures a graph (engine.runtime does;
 model.nf4_kernels). It patches bitsandbytes' Linear4bit.forward: inputs of at most STEP_ROWS rows, BF16, not
@@ -58,11 +62,15 @@ STEP_ROWS = 16  # at most this many rows (batch x tokens) take the kernel
 # product and needs many programs in flight to keep HBM busy), warps, pipeline stages, and how the 16 NF4 levels are
 # looked up (lut: "gather" from the 16-entry table per element, "pairs" from a 256-entry table of both levels of a
 # byte, "select" in registers, "shuffle": each row's 16 dequantized values per block computed once and gathered in
-# registers -- widths that are not a multiple of the absmax block use "select"), and how the products are summed (mma: on tensor cores,
-# 16 rows per program; else FP32 products summed in registers, 4 rows per program). The layout fixes the order of the sums for a shape;
+# registers, "prmt": the same per-row values looked up with byte permutes in inline PTX (CUDA, wdot form, NF4_TABLE's
+# levels; else "shuffle") -- widths that are not a multiple of the absmax block use "select"), how the products are
+# summed (mma: on tensor cores, 16 rows per program; else FP32 products summed in registers, 4 rows per program), and
+# the form: "gemm" (rows x weights^T, the weights the MMA's second operand), "wdot" (weights x rows^T: the weights
+# the first operand, from registers), "fma" (four FP32 accumulators per program, summed once at the end; no tensor
+# cores). The layout fixes the order of the sums for a shape;
 # bench/kernel_sweep.py times the alternatives on the GPU and every choice is qualified as it is installed.
-CONFIG = {"block_n": 128, "block_k": 64, "programs": 1024, "warps": 4, "stages": 3, "lut": "shuffle",
-          "mma": True}  # the H200 sweep's best (bench/results/h200-kernel-sweep-nf4-shuffle-2026-12-03.json)
+CONFIG = {"block_n": 128, "block_k": 64, "programs": 512, "warps": 4, "stages": 3, "lut": "prmt",
+          "mma": True, "form": "wdot"}  # the H100 sweep's best (bench/results/h100-kernel-sweep-nf4-prmt-2026-12-07.json)
 
 
 class NF4Weight:
@@ -78,6 +86,7 @@ class NF4Weight:
         self.nested = absmax2 is not None
         self._absmax32 = None
         self._pairs = None
+        self._nf4_table = None
 
     @property
     def pairs(self) -> torch.Tensor:
@@ -88,6 +97,17 @@ class NF4Weight:
             b = torch.arange(256, device=self.lut.device)
             self._pairs = bits[b >> 4] | (bits[b & 15] << 32)
         return self._pairs
+
+    def table_is_nf4(self) -> bool | None:
+        """Whether the weight's 16 levels are NF4_TABLE bit for bit (the "prmt" lookup computes with NF4_TABLE's
+        values as PTX immediates). Checked once (one device-to-host copy); None while a CUDA graph is being captured
+        before the first check (the caller then takes the table lookup, which gives the same weights)."""
+        if self._nf4_table is None:
+            if self.lut.is_cuda and torch.cuda.is_current_stream_capturing():
+                return None
+            self._nf4_table = bool(torch.equal(self.lut.detach().float().cpu(),
+                                               torch.tensor(NF4_TABLE, dtype=torch.float32)))
+        return self._nf4_table
 
     @property
     def absmax32(self) -> torch.Tensor:
@@ -121,7 +141,7 @@ def _kernels() -> dict:
     if not _K:
         from engine import _nf4_triton as T
 
-        _K.update(gemm=T.nf4_small_gemm, reduce=T.nf4_reduce)
+        _K.update(gemm=T.nf4_small_gemm, reduce=T.nf4_reduce, fma=T.nf4_gemv, wdot=T.nf4_wdot)
     return _K
 
 
@@ -154,13 +174,21 @@ def nf4_linear(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | None = None) 
     k = _kernels()
     mma = bool(cfg["mma"])
     row_blocks = K % w.blocksize == 0 and BK % w.blocksize == 0  # one absmax per row and block (every 27B shape)
-    lut = cfg["lut"] if (cfg["lut"] != "shuffle" or row_blocks) else "select"  # a per-row table needs row blocks
-    bm = STEP_ROWS if mma else 4  # rows per program: tensor cores take 16; register products take 4 per program
-    k["gemm"][(n_blocks, splits, triton.cdiv(M, bm))](
-        x2, w.packed, w.absmax32, w.pairs if lut == "pairs" else w.lut, bias if bias is not None else out, out, part, M, N, K, x2.stride(0),
-        out.stride(0), ks, HAS_BIAS=bias is not None, BLOCKSIZE=w.blocksize, BM=bm, BN=BN, BK=BK,
-        FINAL=final, LUT=lut, ROW_BLOCKS=row_blocks,
-        MMA=mma, DOT_F32=interpret(), **extra)
+    lut = cfg["lut"] if (cfg["lut"] not in ("shuffle", "prmt") or row_blocks) else "select"  # per-row tables need row blocks
+    form = cfg.get("form", "gemm") if row_blocks else "gemm"  # the fma / wdot forms read one absmax per row block
+    if lut == "prmt" and not (form == "wdot" and w.table_is_nf4()):
+        lut = "shuffle"  # byte permutes: the wdot form, NF4_TABLE's levels (the same weights either way)
+    args = (x2, w.packed, w.absmax32, w.pairs if lut == "pairs" else w.lut, bias if bias is not None else out, out,
+            part, M, N, K, x2.stride(0), out.stride(0), ks)
+    common = dict(HAS_BIAS=bias is not None, BLOCKSIZE=w.blocksize, BN=BN, BK=BK, FINAL=final, LUT=lut, **extra)
+    if form == "fma":  # 4 rows per program, FP32 products in registers summed along the input once
+        k["fma"][(n_blocks, splits, triton.cdiv(M, 4))](*args, SOFT_ROUND=interpret(), **common)
+    elif form == "wdot":  # the weights as the MMA's first operand, up to 16 rows as its columns
+        k["wdot"][(n_blocks, splits)](*args, DOT_F32=interpret(), **common)
+    else:
+        bm = STEP_ROWS if mma else 4  # rows per program: tensor cores take 16; register products take 4 per program
+        k["gemm"][(n_blocks, splits, triton.cdiv(M, bm))](*args, BM=bm, ROW_BLOCKS=row_blocks, MMA=mma,
+                                                          DOT_F32=interpret(), **common)
     if not final:
         RN = 1024
         k["reduce"][(M, triton.cdiv(N, RN))](part, bias if bias is not None else out, out, M, N, splits,

@@ -17,7 +17,11 @@ def test_the_kernel_dequantizes_bit_for_bit_and_is_as_accurate_as_dequantize_the
     programs (FP32 partials, then the reduction kernel) with the levels gathered from the table and the products summed
     in registers (4 rows per program), one program per block of outputs (rounded in place) with the levels selected
     in registers and the products on tensor cores, both levels of a byte gathered at once, and each row's 16
-    dequantized values per block gathered in registers."""
+    dequantized values per block gathered in registers; the "fma" form (four rows per program, one FP32 accumulator
+    per row and weight position, summed along the input at the end) and the "wdot" form (the weights as the MMA's
+    first operand; its "prmt" lookup runs as "shuffle" here: the interpreter runs no inline PTX, the lookup's PTX is
+    checked by the emulated test below) -- a width that is not a multiple of the absmax block (1000) takes the general
+    form there."""
     out = _interpreted("""
         import json, torch
         from engine import nf4_kernels as NK
@@ -27,7 +31,9 @@ def test_the_kernel_dequantizes_bit_for_bit_and_is_as_accurate_as_dequantize_the
         for cfg in ({"programs": 512, "lut": "gather", "block_k": 128, "mma": False},
                     {"programs": 1, "lut": "select", "block_n": 32, "mma": True},
                     {"programs": 512, "lut": "pairs", "block_k": 64, "mma": True},
-                    {"programs": 512, "lut": "shuffle", "block_k": 128, "mma": True}):
+                    {"programs": 512, "lut": "shuffle", "block_k": 128, "mma": True},
+                    {"programs": 512, "lut": "shuffle", "block_k": 128, "block_n": 16, "form": "fma"},
+                    {"programs": 1, "lut": "prmt", "block_k": 64, "block_n": 32, "form": "wdot"}):
             NK.CONFIG.update(cfg)
             n0 = NK._STATE["launches"]
             res.append({"qualification": NK.qualify(torch.device("cpu"), cases=cases),
@@ -39,7 +45,7 @@ def test_the_kernel_dequantizes_bit_for_bit_and_is_as_accurate_as_dequantize_the
     for r in out:
         assert r["qualification"]["passed"], r
         assert len(r["qualification"]["cases"]) == 5
-    assert len(out) == 4
+    assert len(out) == 6
     for c in [c for r in out for c in r["qualification"]["cases"]]:
         assert c["dequant_bitwise"] and c["row_alone_bitwise"], c
         assert c["kernel_rel_l2"] <= 1.25 * c["torch_rel_l2"] + 1e-6, c
@@ -143,3 +149,95 @@ def test_on_cuda_the_kernel_qualifies_and_serves_linear4bit_steps_only():
         assert out[False][2] > 0
     finally:
         NK.reset()
+
+
+def _run_ptx(asm: str, operands: dict) -> dict:
+    """Execute the few PTX instructions the "prmt" lookup uses (mul.rn.f32, cvt.rn.bf16x2.f32, prmt.b32 in its
+    default mode, and/or/shr.b32) with their documented semantics, on Python integers / NumPy FP32."""
+    import struct
+
+    import numpy as np
+    import torch
+
+    def bf16_bits(v) -> int:  # round to nearest even, as cvt.rn does
+        return torch.tensor([float(v)], dtype=torch.float32).to(torch.bfloat16).view(torch.int16).item() & 0xFFFF
+
+    def prmt(a, b, c):
+        src, out = (a & 0xFFFFFFFF) | ((b & 0xFFFFFFFF) << 32), 0
+        for k in range(4):
+            s = (c >> (4 * k)) & 0xF
+            byte = (src >> (8 * (s & 7))) & 0xFF
+            if s & 8:  # sign-replicate mode
+                byte = 0xFF if byte & 0x80 else 0
+            out |= byte << (8 * k)
+        return out
+
+    regs = dict(operands)
+
+    def val(t):
+        if t in regs:
+            return regs[t]
+        if t.startswith("0f"):
+            return np.frombuffer(struct.pack("<I", int(t[2:], 16)), np.float32)[0]
+        return int(t, 0)
+
+    for line in asm.split("\n"):
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        d, *src = [x.strip() for x in rest.split(",")]
+        src = [val(x) for x in src]
+        if op == "mul.rn.f32":
+            regs[d] = np.float32(np.float32(src[0]) * np.float32(src[1]))
+        elif op == "cvt.rn.bf16x2.f32":  # a -> upper half, b -> lower half
+            regs[d] = (bf16_bits(src[0]) << 16) | bf16_bits(src[1])
+        elif op == "prmt.b32":
+            regs[d] = prmt(*src)
+        elif op == "and.b32":
+            regs[d] = src[0] & src[1]
+        elif op == "or.b32":
+            regs[d] = src[0] | src[1]
+        elif op == "shr.b32":
+            regs[d] = (src[0] & 0xFFFFFFFF) >> src[1]
+        else:
+            raise AssertionError(f"an instruction the emulator does not know: {op}")
+    return regs
+
+
+def test_the_byte_permute_lookup_gives_dequantize_4bits_weights_bit_for_bit():
+    """The "prmt" lookup's PTX (per-row table of the 16 BF16 values, then byte permutes per pair of packed bytes),
+    executed instruction by instruction with PTX's semantics: every code of both nibbles, at absmax values of many
+    magnitudes (one subnormal), equals BF16(nf4[c] * absmax) as dequantize_4bit rounds it. (The GPU qualification
+    checks the compiled kernel the same way; Triton's interpreter cannot run inline PTX.)"""
+    pytest.importorskip("triton")
+    import numpy as np
+    import torch
+
+    from engine import _nf4_triton as T
+    from engine.nf4_kernels import NF4_TABLE
+
+    table_asm, lookup_asm = T.TABLE_ASM.value, T.LOOKUP_ASM.value
+    lut = np.array(NF4_TABLE, dtype=np.float32)
+    gen = torch.Generator().manual_seed(0)
+    absmax = [np.float32(v) for v in (torch.rand(40, generator=gen) * 10.0 ** torch.randint(-6, 2, (40,), generator=gen)).tolist()]
+    absmax += [np.float32(1e-40), np.float32(1.0), np.float32(0.0)]
+    checked = 0
+    for a in absmax:
+        planes = _run_ptx(table_asm, {"$8": a})
+        ops = {}
+        for i in range(4):  # two operands per plane register (one per packed element); the first is read
+            for j in range(2):
+                ops[f"${3 + 2 * i + j}"] = planes[f"${i}"]
+                ops[f"${11 + 2 * i + j}"] = planes[f"${4 + i}"]
+        for k in range(16):  # every code in both nibbles of both bytes, the two nibbles of a byte always unequal
+            b0, b1 = (k << 4) | (15 - k), (((k + 3) % 16) << 4) | ((k + 6) % 16)
+            out = _run_ptx(lookup_asm, {**ops, "$2": b0 | (b1 << 8)})
+            got_even = (out["$0"] & 0xFFFF, out["$0"] >> 16)
+            got_odd = (out["$1"] & 0xFFFF, out["$1"] >> 16)
+            for i, byte in enumerate((b0, b1)):
+                ref = torch.tensor([lut[byte >> 4] * a, lut[byte & 15] * a], dtype=torch.float32)
+                want = (ref.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
+                assert (got_even[i], got_odd[i]) == tuple(want), (a, byte)
+                checked += 2
+    assert checked == len(absmax) * 16 * 4

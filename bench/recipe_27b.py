@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-HBM_BYTES_PER_S = 4.8e12  # H200
+HBM_BYTES_PER_S = 4.8e12  # H200 (main() sets 3.35e12 on an H100): the floors' yardstick
 PAD, EOS, THINK, ANSWER_OPEN = 0, 1, 2, 3
 
 
@@ -151,6 +151,10 @@ def main(argv=None) -> dict:
     p.add_argument("--latent-engine", choices=["auto", "trainer", "sampler"], default="auto",
                    help="the model the latent loop runs on (configs latent.engine): auto = the sampler's BF16 export "
                         "for --base nf4 (one prefill per row then serves thoughts and answers), the trainer for bf16")
+    p.add_argument("--sampler", choices=["export", "trainer"], default="export",
+                   help="--base nf4: the answers' model: the BF16 export of the trainer's weights (+54 GB), or the NF4 "
+                        "trainer itself (configs sampler.weights=trainer: one 80 GB GPU; thoughts and answers then "
+                        "run the NF4 small-batch kernel)")
     p.add_argument("--apply", nargs="+", default=None, metavar="SWEEP_JSON",
                    help="launch layouts of the decode attention and NF4 kernels from bench/kernel_sweep.py's JSON "
                         "(its 'best' entries; each kernel is qualified again at that layout before use)")
@@ -181,6 +185,9 @@ def main(argv=None) -> dict:
         arch["num_hidden_layers"] = a.layers
         arch["layer_types"] = [kinds[i % 4] for i in range(a.layers)]
     graphed = dev.type == "cuda"
+    global HBM_BYTES_PER_S
+    if graphed and "H100" in torch.cuda.get_device_name(dev):
+        HBM_BYTES_PER_S = 3.35e12
     toks = M.Tokens(pad=PAD, eos=EOS, think=THINK, answer_open=ANSWER_OPEN)
     res: dict = {"args": vars(a), "arch": arch, "torch": torch.__version__,
                  "device": torch.cuda.get_device_name(dev) if graphed else platform.processor()}
@@ -211,7 +218,12 @@ def main(argv=None) -> dict:
         res["nf4_step_qualification"] = nf4_kernels._STATE.get("qualification")
     res["params"] = sum(p_.numel() for p_ in base.parameters())
     acfg = cfg27.adapter
-    if a.base == "nf4":
+    if a.base == "nf4" and a.sampler == "trainer":
+        n, res["quantize_s"] = timed(dev, lambda: nf4.quantize_nf4_(base))
+        res["quantized_layers"] = n
+        trainer = with_adapter(base, acfg, a.seed)
+        sampler = trainer
+    elif a.base == "nf4":
         n, res["quantize_s"] = timed(dev, lambda: nf4.quantize_nf4_(base))
         res["quantized_layers"] = n
         sampler_base = build_random(arch, vocab, dev, dtype, a.seed + 1, init=False)
@@ -229,7 +241,8 @@ def main(argv=None) -> dict:
     res["adapter_s"] = round(time.perf_counter() - t_start - res["build_s"], 2)
     if graphed:
         res["gpu_mem_models_gb"] = round(torch.cuda.memory_allocated(dev) / 1e9, 2)
-    engine = a.latent_engine if a.latent_engine != "auto" else ("sampler" if a.base == "nf4" else "trainer")
+    engine = a.latent_engine if a.latent_engine != "auto" else (
+        "sampler" if a.base == "nf4" and a.sampler == "export" else "trainer")
     thinker = sampler if engine == "sampler" else trainer  # the latent loop's model
     res["latent_engine"] = engine
     scale = M.embed_scale(trainer)

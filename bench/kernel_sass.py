@@ -44,8 +44,8 @@ def compile_sass(form: str, lut: str, bn: int, bk: int, warps: int, stages: int)
         fn, consts["DOT_F32"] = T.nf4_wdot, False
     else:
         fn, consts["SOFT_ROUND"] = T.nf4_gemv, False
-    sig = {**ARGS, **{k: "constexpr" for k in consts}}
-    names = list(sig)
+    names = list(fn.arg_names)  # the kernel's parameter order
+    sig = {k: ARGS.get(k, "constexpr") for k in names}
     if lut == "pairs":
         sig["lut_ptr"] = "*i64"
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in names
@@ -95,7 +95,7 @@ def main() -> int:
     a = p.parse_args()
     rows = []
     for lut in a.luts:
-        if lut == "prmt" and a.form != "wdot":
+        if lut == "prmt" and a.form == "fma":
             continue
         sass, regs = compile_sass(a.form, lut, a.block_n, a.block_k, a.warps, a.stages)
         c = loop_counts(sass)

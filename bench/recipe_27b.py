@@ -158,6 +158,9 @@ def main(argv=None) -> dict:
     p.add_argument("--apply", nargs="+", default=None, metavar="SWEEP_JSON",
                    help="launch layouts of the decode attention and NF4 kernels from bench/kernel_sweep.py's JSON "
                         "(its 'best' entries; each kernel is qualified again at that layout before use)")
+    p.add_argument("--compare-layout", default=None, metavar="SWEEP_JSON",
+                   help="also time the graphed latent step and decoded token under this NF4/attention layout "
+                        "(graphs captured again on the same rows), side by side with the run's own")
     p.add_argument("--out", default=None)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -366,6 +369,35 @@ def main(argv=None) -> dict:
         dcd["eager_static"] = per(st["times_s"], st["counts"], "eager")
         del eager_dec
     res["decode_ms_per_token"] = dcd
+    if a.compare_layout:  # the same rows, graphs captured again under another NF4 layout (eager on the CPU)
+        from engine import nf4_kernels as NK
+
+        kept = dict(NK.CONFIG)
+        applied = apply_layouts(a.compare_layout).get("nf4", {})
+        cmp_ = {"layout": applied, "qualification_passed": NK.qualify(dev)["passed"]}
+        loop2 = CG.GraphedLatentLoop(thinker, capacity=capacity, graphed=graphed, profile=True, attention=a.attention)
+        loop2.frozen = loop.frozen
+        with loop.frozen:
+            rs_ = PC.prefill_rows(thinker, prefixes, tcache, bounds)
+        loop2.run_rows(rs_, K, sigma, scale, toks, gen_lat)  # warm-up + capture + replays
+        loop2.reset_stats()
+        loop2.run_rows(rs_, K, sigma, scale, toks, gen_lat)
+        st = loop2.stats()
+        cmp_["latent_graphed_replay_ms"] = per(st["times_s"], st["counts"], mode)
+        dec2 = CG.GraphedDecoder(sampler, capacity=capacity, graphed=graphed, profile=True, attention=a.attention)
+        dec2.frozen = dec.frozen
+        dec2.sample_rows(rs2, z, A, 1.0, toks, gen_smp, limits=[A] * B)
+        dec2.reset_stats()
+        dec2.sample_rows(rs2, z, A, 1.0, toks, gen_smp, limits=[A] * B)
+        st = dec2.stats()
+        cmp_["decode_graphed_replay_ms"] = per(st["times_s"], st["counts"], mode)
+        del loop2, dec2
+        NK.CONFIG.clear()
+        NK.CONFIG.update(kept)
+        res["compare_layout"] = cmp_
+        print(f"under {a.compare_layout}: latent {cmp_['latent_graphed_replay_ms']} ms/step, decode "
+              f"{cmp_['decode_graphed_replay_ms']} ms/token (this run's layout: {lat['graphed_replay' if graphed else 'eager_static']} / "
+              f"{dcd['graphed_replay' if graphed else 'eager_static']})", flush=True)
 
     # -- prefix cache: computed share, cached vs uncached logits -------------------------------------------------
     tin = sum(r["latent_input_tokens"] for r in turns)

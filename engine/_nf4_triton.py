@@ -144,7 +144,9 @@ def _accumulate(acc, packed, a, lut_ptr, x_ptr, m, mmask, sx, kk, kmask, LUT: tl
     LUT "shuffle" (a is one absmax per row): the 16 dequantized values of each row's block are computed once and
     each weight gathers its own from that per-row table in registers (tl.gather); the same products, rounded the
     same way, so the weights are the same bits."""
-    if LUT == "shuffle":
+    if LUT == "prmt" and not DOT_F32:  # (the interpreter runs no PTX: it takes the "shuffle" lookup)
+        w_hi, w_lo = _prmt_weights(packed, a)
+    elif LUT == "shuffle" or LUT == "prmt":
         levels = tl.load(lut_ptr + tl.arange(0, 16))
         tab = _to_bf16(levels[None, :] * a, DOT_F32)  # (rows, 16): BF16(nf4[c] * absmax) for every code c
         w_hi = tl.gather(tab, ((packed >> 4) & 15).to(tl.int32), axis=1)

@@ -419,3 +419,30 @@ def test_the_run_step_flows_post_their_artifacts_linked_to_each_step_flow_run(pr
     assert by_key == {"step-0000-timings": runs[0], "step-0000-metrics": runs[0],
                       "step-0001-timings": runs[1], "step-0001-metrics": runs[1]}, by_key
 
+
+
+def test_a_step_artifact_that_cannot_be_sent_fails_the_step_flows_context(prefect_harness, monkeypatch):
+    """step_flows() sends the steps' artifacts from a background thread; a send that fails is raised when the context
+    ends (after the other artifacts were sent), not dropped."""
+    from prefect.artifacts import MarkdownArtifact
+    from prefect.client.orchestration import SyncPrefectClient
+
+    from flows import step as S
+
+    real = SyncPrefectClient.create_artifact
+    calls = []
+
+    def create_artifact(self, artifact):
+        calls.append(artifact.key)
+        if artifact.key == "bad-one":
+            raise ConnectionError("API down")
+        return real(self, artifact=artifact)
+
+    monkeypatch.setattr(SyncPrefectClient, "create_artifact", create_artifact)
+    with pytest.raises(RuntimeError, match="1 of 2 step artifacts could not be sent") as err:
+        with S.artifact_sender():
+            S._create_artifact(MarkdownArtifact(key="bad-one", markdown="x"))
+            S._create_artifact(MarkdownArtifact(key="good-one", markdown="y"))
+            assert S._SENDER  # queued, not sent in line
+    assert isinstance(err.value.__cause__, ConnectionError)
+    assert calls == ["bad-one", "good-one"] and not S._SENDER

@@ -50,11 +50,15 @@ def artifact_sender():
     step flow's run id, taken when they are queued, so the UI shows them under their step as before. The context
     waits until every queued artifact is sent; a failed send is raised there (after the others were sent), never
     dropped."""
+    import contextvars
     from concurrent.futures import ThreadPoolExecutor
 
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lgrpo-artifacts")
     sent: list = []
     client: dict = {}
+    # the thread runs every send in this context: Prefect's settings (the run's API URL) live in context variables,
+    # which a new thread does not inherit -- without them the client would start an ephemeral server of its own
+    ctx = contextvars.copy_context()
 
     def send(request):
         if "c" not in client:  # one sync client for the thread's life
@@ -71,14 +75,14 @@ def artifact_sender():
         task_run_id, flow_run_id = get_task_and_flow_run_ids()
         request = ArtifactCreate(type=artifact.type, key=artifact.key, description=artifact.description,
                                  task_run_id=task_run_id, flow_run_id=flow_run_id, data=artifact.format(_sync=True))
-        sent.append(pool.submit(send, request))
+        sent.append(pool.submit(ctx.run, send, request))
 
     _SENDER.append(queue)
     try:
         yield
     finally:
         _SENDER.remove(queue)
-        pool.submit(lambda: client["c"].__exit__(None, None, None) if "c" in client else None)
+        pool.submit(ctx.run, lambda: client["c"].__exit__(None, None, None) if "c" in client else None)
         pool.shutdown(wait=True)
         failed = [f.exception() for f in sent if f.exception() is not None]
         if failed:

@@ -446,3 +446,34 @@ def test_a_step_artifact_that_cannot_be_sent_fails_the_step_flows_context(prefec
             assert S._SENDER  # queued, not sent in line
     assert isinstance(err.value.__cause__, ConnectionError)
     assert calls == ["bad-one", "good-one"] and not S._SENDER
+
+
+def test_step_artifacts_go_to_the_api_server_of_the_steps_settings(monkeypatch):
+    """The sender thread sends with the settings of the context that queued the artifacts: Prefect keeps the run's
+    API URL (flows/api_server.py, temporary_settings) in context variables, which a new thread does not inherit --
+    without them its client would start an ephemeral server of its own and the artifacts would never reach the run's
+    server."""
+    from prefect.artifacts import MarkdownArtifact
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    import prefect.client.orchestration as orch
+    from flows import step as S
+
+    seen = []
+
+    class _Client:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def create_artifact(self, artifact):
+            seen.append((PREFECT_API_URL.value(), artifact.key))
+
+    monkeypatch.setattr(orch, "get_client", lambda sync_client=False: _Client())
+    url = "http://127.0.0.1:9/api"  # only in this context's settings
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        with S.artifact_sender():
+            S._create_artifact(MarkdownArtifact(key="step-0000-metrics", markdown="x"))
+    assert seen == [(url, "step-0000-metrics")]

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from prefect import flow
-from prefect.artifacts import MarkdownArtifact, TableArtifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from artifacts import RunDir, append_jsonl, curves, read_json, read_table, write_json
 from artifacts import metrics as step_metrics
@@ -34,68 +34,8 @@ def step_flows():
     every step (bench/trl_compare.py measures what is left)."""
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
-    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}), shared_async_client(), \
-            artifact_sender():
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}), shared_async_client():
         yield grpo_step
-
-
-_SENDER: list = []  # the artifact sender of the innermost step_flows() context (none: publish sends in line)
-
-
-@contextmanager
-def artifact_sender():
-    """Each step's Prefect artifacts (its timings table and metrics) sent from one background thread: the step
-    flow does not wait for the API server's two round trips (~19 ms each on the 2-core CPU machine, next to the
-    flow's compute: bench/trl_compare.py's profile), and the next step starts at once. The artifacts carry the
-    step flow's run id, taken when they are queued, so the UI shows them under their step as before. The context
-    waits until every queued artifact is sent; a failed send is raised there (after the others were sent), never
-    dropped."""
-    import contextvars
-    from concurrent.futures import ThreadPoolExecutor
-
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lgrpo-artifacts")
-    sent: list = []
-    client: dict = {}
-    # the thread runs every send in this context: Prefect's settings (the run's API URL) live in context variables,
-    # which a new thread does not inherit -- without them the client would start an ephemeral server of its own
-    ctx = contextvars.copy_context()
-
-    def send(request):
-        if "c" not in client:  # one sync client for the thread's life
-            from prefect.client.orchestration import get_client
-
-            client["c"] = get_client(sync_client=True)
-            client["c"].__enter__()
-        client["c"].create_artifact(artifact=request)
-
-    def queue(artifact) -> None:
-        from prefect.client.schemas.actions import ArtifactCreate
-        from prefect.utilities.context import get_task_and_flow_run_ids
-
-        task_run_id, flow_run_id = get_task_and_flow_run_ids()
-        request = ArtifactCreate(type=artifact.type, key=artifact.key, description=artifact.description,
-                                 task_run_id=task_run_id, flow_run_id=flow_run_id, data=artifact.format(_sync=True))
-        sent.append(pool.submit(ctx.run, send, request))
-
-    _SENDER.append(queue)
-    try:
-        yield
-    finally:
-        _SENDER.remove(queue)
-        pool.submit(ctx.run, lambda: client["c"].__exit__(None, None, None) if "c" in client else None)
-        pool.shutdown(wait=True)
-        failed = [f.exception() for f in sent if f.exception() is not None]
-        if failed:
-            raise RuntimeError(f"{len(failed)} of {len(sent)} step artifacts could not be sent to the Prefect API "
-                               f"(first: {failed[0]!r})") from failed[0]
-
-
-def _create_artifact(artifact) -> None:
-    """Send a Prefect artifact: queued to step_flows()' sender, or in line outside one."""
-    if _SENDER:
-        _SENDER[-1](artifact)
-    else:
-        artifact.create()
 
 
 @contextmanager
@@ -396,14 +336,14 @@ def publish(run_dir: str, step: int, kind: str, summaries: list[dict]) -> dict:
     write_json(rd.metrics(step), metrics)
     append_jsonl(rd.metrics_history(), metrics | {"phases": ph}, replace="step")
     curves.write_scalars(run_dir, step, step_metrics.scalars(metrics | {"phases": ph}))
-    _create_artifact(TableArtifact(
+    create_table_artifact(
         key=f"step-{step:04d}-timings",
         table=[{"phase": k, "seconds": v} for k, v in ph.items()],
         description=f"Per-phase wall seconds of {kind} step {step} (measured by the stages)",
-    ))
-    _create_artifact(MarkdownArtifact(
+    )
+    create_markdown_artifact(
         key=f"step-{step:04d}-metrics",
         markdown="| metric | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in metrics.items()),
         description=f"Metrics of step {step}",
-    ))
+    )
     return metrics | {"phases": ph}

@@ -167,6 +167,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, nargs=2, default=[2, 10])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--project-only", action="store_true",
+                    help="time this project's arm only (no TRL run): for side-by-side runs of two checkouts")
     ap.add_argument("--with-heartbeats", action="store_true",
                     help="also time the step flows with their own heartbeat threads (Prefect's default)")
     a = ap.parse_args()
@@ -188,6 +190,19 @@ def main() -> None:
         project_arm(run_dir, 1)  # warm-up (imports, Prefect client, first-call costs), discarded
         p = {n: project_arm(run_dir, n) for n in (short, long)}
         hb = {n: project_arm(run_dir, n, step_heartbeats=True) for n in (short, long)} if a.with_heartbeats else None
+    if a.project_only:
+        long_ = p[long]
+        step = (long_["wall_s"] - p[short]["wall_s"]) / (long - short)
+        stage = (long_["stage_s"] - p[short]["stage_s"]) / (long - short)
+        w = per_step(long_["step_walls_s"], long_["step_stage_s"], long_["close_s"])
+        res = {"steps": a.steps, "project_step_s": round(step, 4), "project_stage_s": round(stage, 4),
+               "orchestration_s": round(step - stage, 4),
+               "within_run": {"project_step_s": round(w["step_s"], 4), "project_stage_s": round(w["stage_s"], 4),
+                              "orchestration_s": round(w["step_s"] - w["stage_s"], 4)}}
+        print(json.dumps(res))
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=1))
+        return
     trl_arm(base, cfg, 1, root / "warm")  # warm-up, discarded
     t = {n: trl_arm(base, cfg, n, root) for n in (short, long)}
     proj_step = (p[long]["wall_s"] - p[short]["wall_s"]) / (long - short)

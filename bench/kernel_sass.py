@@ -95,8 +95,6 @@ def main() -> int:
     a = p.parse_args()
     rows = []
     for lut in a.luts:
-        if lut == "prmt" and a.form == "fma":
-            continue
         sass, regs = compile_sass(a.form, lut, a.block_n, a.block_k, a.warps, a.stages)
         c = loop_counts(sass)
         weights = a.block_n * 64 / (32 * a.warps)  # one absmax block (64 inputs) per loop step and row

@@ -137,6 +137,50 @@ def _dot2(acc, x_even, x_odd, w_hi, w_lo, MMA: tl.constexpr, DOT_F32: tl.constex
 
 
 @triton.jit
+def _weights(packed, a, lut_ptr, LUT: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """The BF16 weights of packed bytes (rows, bytes) with their absmax a -- one per row and block ((rows, 1): every
+    lookup) or one per byte (the level-then-product lookups) -- even elements (high nibbles) and odd ones (low
+    nibbles), each BF16(nf4[c] * absmax) as dequantize_4bit rounds it. "prmt": byte permutes in inline PTX (the
+    interpreter runs no PTX: it takes "shuffle", the same weights); "shuffle": each row's 16 values computed once and
+    gathered in registers; otherwise the level first ("gather", "pairs", "select"), then the product."""
+    if LUT == "prmt" and not SOFT_ROUND:
+        w_hi, w_lo = _prmt_weights(packed, a)
+    elif LUT == "shuffle" or LUT == "prmt":
+        levels = tl.load(lut_ptr + tl.arange(0, 16))
+        tab = _to_bf16(levels[None, :] * a, SOFT_ROUND)  # (rows, 16): BF16(nf4[c] * absmax) for every code c
+        w_hi = tl.gather(tab, ((packed >> 4) & 15).to(tl.int32), axis=1)
+        w_lo = tl.gather(tab, (packed & 15).to(tl.int32), axis=1)
+    else:
+        v_hi, v_lo = _nf4_levels(packed, lut_ptr, LUT)
+        w_hi = _to_bf16(v_hi * a, SOFT_ROUND)
+        w_lo = _to_bf16(v_lo * a, SOFT_ROUND)
+    return w_hi, w_lo
+
+
+@triton.jit
+def _program_rows(w_ptr, am_ptr, N, K, KS, BN: tl.constexpr, BLOCKSIZE: tl.constexpr):
+    """Program (p, s, ...) of the row-block forms: split s, output features n = [p*BN, (p+1)*BN) and their mask, the
+    split's end k_hi (it starts at s*KS), each row's packed bytes and absmax."""
+    pid_s = tl.program_id(1)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    k_hi = tl.minimum(pid_s * KS + KS, K)
+    return (pid_s, n, n < N, k_hi, w_ptr + n.to(tl.int64) * (K // 2),
+            am_ptr + n.to(tl.int64) * (K // BLOCKSIZE))
+
+
+@triton.jit
+def _row_block(wrow, arow, n, nmask, kb0, k_hi, HB: tl.constexpr, BLOCKSIZE: tl.constexpr):
+    """One absmax block of every row of the tile (widths a multiple of the block): the packed bytes' indices kk (HB,),
+    whether the block lies in this split (ok: uniform along the block, so the loads stay vectorized), the packed
+    bytes (rows, HB) and the rows' absmax (rows, 1)."""
+    kk = kb0 // 2 + tl.arange(0, HB)
+    ok = tl.full((HB,), 1, tl.int1) & (kb0 < k_hi)  # the whole block is in the split or none of it
+    packed = tl.load(wrow[:, None] + kk[None, :], mask=nmask[:, None] & ok[None, :], other=0)
+    a = tl.load(arow + kb0 // BLOCKSIZE, mask=nmask & (n * 0 + kb0 < k_hi), other=0.0)[:, None]
+    return kk, ok, packed, a
+
+
+@triton.jit
 def _accumulate(acc, packed, a, lut_ptr, x_ptr, m, mmask, sx, kk, kmask, LUT: tl.constexpr, MMA: tl.constexpr,
                 DOT_F32: tl.constexpr):
     """acc + the products of rows m with the weights of packed bytes kk (absmax a): dequantized as dequantize_4bit
@@ -144,17 +188,7 @@ def _accumulate(acc, packed, a, lut_ptr, x_ptr, m, mmask, sx, kk, kmask, LUT: tl
     LUT "shuffle" (a is one absmax per row): the 16 dequantized values of each row's block are computed once and
     each weight gathers its own from that per-row table in registers (tl.gather); the same products, rounded the
     same way, so the weights are the same bits."""
-    if LUT == "prmt" and not DOT_F32:  # (the interpreter runs no PTX: it takes the "shuffle" lookup)
-        w_hi, w_lo = _prmt_weights(packed, a)
-    elif LUT == "shuffle" or LUT == "prmt":
-        levels = tl.load(lut_ptr + tl.arange(0, 16))
-        tab = _to_bf16(levels[None, :] * a, DOT_F32)  # (rows, 16): BF16(nf4[c] * absmax) for every code c
-        w_hi = tl.gather(tab, ((packed >> 4) & 15).to(tl.int32), axis=1)
-        w_lo = tl.gather(tab, (packed & 15).to(tl.int32), axis=1)
-    else:
-        v_hi, v_lo = _nf4_levels(packed, lut_ptr, LUT)
-        w_hi = _to_bf16(v_hi * a, DOT_F32)
-        w_lo = _to_bf16(v_lo * a, DOT_F32)
+    w_hi, w_lo = _weights(packed, a, lut_ptr, LUT, DOT_F32)
     xmask = mmask[:, None] & kmask[None, :]
     x_row = x_ptr + m[:, None].to(tl.int64) * sx + 2 * kk[None, :]
     x_even = tl.load(x_row, mask=xmask, other=0.0)
@@ -183,18 +217,12 @@ def nf4_small_gemm(x_ptr, w_ptr, am_ptr, lut_ptr, bias_ptr, out_ptr, part_ptr,
     k_lo = pid_s * KS
     k_hi = tl.minimum(k_lo + KS, K)
     if ROW_BLOCKS:  # K % BLOCKSIZE == 0: every absmax block lies in one row; one absmax load per (row, block)
-        HB: tl.constexpr = BLOCKSIZE // 2
-        jb = tl.arange(0, HB)
         wrow = w_ptr + n.to(tl.int64) * KH
         arow = am_ptr + n.to(tl.int64) * (K // BLOCKSIZE)
         for k0 in range(k_lo, k_hi, BK):
             for b in tl.static_range(BK // BLOCKSIZE):
-                kb0 = k0 + b * BLOCKSIZE  # the block's first element
-                kk = kb0 // 2 + jb
-                ok = tl.full((HB,), 1, tl.int1) & (kb0 < k_hi)  # the whole block is in the split or none of it
-                # (a mask uniform along the block: the loads stay vectorized)
-                packed = tl.load(wrow[:, None] + kk[None, :], mask=nmask[:, None] & ok[None, :], other=0)
-                a = tl.load(arow + kb0 // BLOCKSIZE, mask=nmask & (n * 0 + kb0 < k_hi), other=0.0)[:, None]
+                kk, ok, packed, a = _row_block(wrow, arow, n, nmask, k0 + b * BLOCKSIZE, k_hi, BLOCKSIZE // 2,
+                                               BLOCKSIZE)
                 acc = _accumulate(acc, packed, a, lut_ptr, x_ptr, m, mmask, sx, kk, ok, LUT, MMA, DOT_F32)
     else:  # blocks straddle rows: each weight's absmax by its flattened index
         j = tl.arange(0, BK // 2)
@@ -231,23 +259,6 @@ def nf4_reduce(part_ptr, bias_ptr, out_ptr, M, N, S, so, HAS_BIAS: tl.constexpr,
 
 
 @triton.jit
-def _block_weights(packed, a, lut_ptr, LUT: tl.constexpr, SOFT_ROUND: tl.constexpr):
-    """The BF16 weights (as FP32: exact) of packed bytes (BN, HB) of one absmax block per row (a: (BN, 1) FP32),
-    even elements (high nibbles) and odd ones (low nibbles), each BF16(nf4[c] * absmax) as dequantize_4bit rounds it.
-    LUT "shuffle": each row's 16 values computed once and gathered; otherwise the level first, then the product."""
-    if LUT == "shuffle":
-        levels = tl.load(lut_ptr + tl.arange(0, 16))
-        tab = _to_bf16(levels[None, :] * a, SOFT_ROUND).to(tl.float32)  # (BN, 16)
-        w_hi = tl.gather(tab, ((packed >> 4) & 15).to(tl.int32), axis=1)
-        w_lo = tl.gather(tab, (packed & 15).to(tl.int32), axis=1)
-    else:
-        v_hi, v_lo = _nf4_levels(packed, lut_ptr, LUT)
-        w_hi = _to_bf16(v_hi * a, SOFT_ROUND).to(tl.float32)
-        w_lo = _to_bf16(v_lo * a, SOFT_ROUND).to(tl.float32)
-    return w_hi, w_lo
-
-
-@triton.jit
 def _row_fma(acc, x_row_ptr, kk, ok, w_hi, w_lo):
     """acc (BN, HB) + w_hi * x[2kk] + w_lo * x[2kk+1] for one row: FP32 products of BF16 values (exact), one FP32
     sum per weight, summed along the input only at the end (no cross-thread reduction per step)."""
@@ -266,16 +277,8 @@ def nf4_gemv(x_ptr, w_ptr, am_ptr, lut_ptr, bias_ptr, out_ptr, part_ptr,
     elements [s*KS, (s+1)*KS). Each weight is dequantized once and multiplied into four FP32 accumulators of the
     tile's shape (one per row: a row's sums never see another row's values), reduced along the input once at the
     end -- where the tensor-core form pads 4 rows to 16 and moves each dequantized tile into the operand layout."""
-    pid_s = tl.program_id(1)
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    nmask = n < N
+    pid_s, n, nmask, k_hi, wrow, arow = _program_rows(w_ptr, am_ptr, N, K, KS, BN, BLOCKSIZE)
     HB: tl.constexpr = BLOCKSIZE // 2
-    jb = tl.arange(0, HB)
-    KH = K // 2
-    k_lo = pid_s * KS
-    k_hi = tl.minimum(k_lo + KS, K)
-    wrow = w_ptr + n.to(tl.int64) * KH
-    arow = am_ptr + n.to(tl.int64) * (K // BLOCKSIZE)
     acc0 = tl.zeros((BN, HB), dtype=tl.float32)
     acc1 = tl.zeros((BN, HB), dtype=tl.float32)
     acc2 = tl.zeros((BN, HB), dtype=tl.float32)
@@ -285,14 +288,11 @@ def nf4_gemv(x_ptr, w_ptr, am_ptr, lut_ptr, bias_ptr, out_ptr, part_ptr,
     x1 = x_ptr + tl.minimum(r0 + 1, M - 1).to(tl.int64) * sx  # rows past M read row M-1 and are never stored
     x2 = x_ptr + tl.minimum(r0 + 2, M - 1).to(tl.int64) * sx
     x3 = x_ptr + tl.minimum(r0 + 3, M - 1).to(tl.int64) * sx
-    for k0 in range(k_lo, k_hi, BK):
+    for k0 in range(pid_s * KS, k_hi, BK):
         for b in tl.static_range(BK // BLOCKSIZE):
-            kb0 = k0 + b * BLOCKSIZE
-            kk = kb0 // 2 + jb
-            ok = tl.full((HB,), 1, tl.int1) & (kb0 < k_hi)  # uniform along the block: vectorized loads
-            packed = tl.load(wrow[:, None] + kk[None, :], mask=nmask[:, None] & ok[None, :], other=0)
-            a = tl.load(arow + kb0 // BLOCKSIZE, mask=nmask & (n * 0 + kb0 < k_hi), other=0.0)[:, None]
-            w_hi, w_lo = _block_weights(packed, a, lut_ptr, LUT, SOFT_ROUND)
+            kk, ok, packed, a = _row_block(wrow, arow, n, nmask, k0 + b * BLOCKSIZE, k_hi, HB, BLOCKSIZE)
+            w_hi, w_lo = _weights(packed, a, lut_ptr, LUT, SOFT_ROUND)
+            w_hi, w_lo = w_hi.to(tl.float32), w_lo.to(tl.float32)  # exact
             acc0 = _row_fma(acc0, x0, kk, ok, w_hi, w_lo)
             acc1 = _row_fma(acc1, x1, kk, ok, w_hi, w_lo)
             acc2 = _row_fma(acc2, x2, kk, ok, w_hi, w_lo)
@@ -325,37 +325,15 @@ def nf4_wdot(x_ptr, w_ptr, am_ptr, lut_ptr, bias_ptr, out_ptr, part_ptr,
     = W (BN, BK) x^T (BK, 16), so the dequantized weights are the MMA's first operand (taken from registers) and the
     few rows, padded to 16, the second -- where nf4_small_gemm makes the weights the second operand. Same weights,
     exact products, FP32 sums; rows are columns of the MMA, so a row's sums never see another row's values."""
-    pid_s = tl.program_id(1)
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    nmask = n < N
+    pid_s, n, nmask, k_hi, wrow, arow = _program_rows(w_ptr, am_ptr, N, K, KS, BN, BLOCKSIZE)
     m = tl.arange(0, 16)
     mmask = m < M
     HB: tl.constexpr = BLOCKSIZE // 2
-    jb = tl.arange(0, HB)
-    KH = K // 2
-    k_lo = pid_s * KS
-    k_hi = tl.minimum(k_lo + KS, K)
-    wrow = w_ptr + n.to(tl.int64) * KH
-    arow = am_ptr + n.to(tl.int64) * (K // BLOCKSIZE)
     acc = tl.zeros((BN, 16), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
+    for k0 in range(pid_s * KS, k_hi, BK):
         for b in tl.static_range(BK // BLOCKSIZE):
-            kb0 = k0 + b * BLOCKSIZE
-            kk = kb0 // 2 + jb
-            ok = tl.full((HB,), 1, tl.int1) & (kb0 < k_hi)  # uniform along the block: vectorized loads
-            packed = tl.load(wrow[:, None] + kk[None, :], mask=nmask[:, None] & ok[None, :], other=0)
-            a = tl.load(arow + kb0 // BLOCKSIZE, mask=nmask & (n * 0 + kb0 < k_hi), other=0.0)[:, None]
-            if LUT == "prmt" and not DOT_F32:  # (the interpreter runs no PTX: it takes the "shuffle" lookup)
-                w_hi, w_lo = _prmt_weights(packed, a)
-            elif LUT == "shuffle" or LUT == "prmt":
-                levels = tl.load(lut_ptr + tl.arange(0, 16))
-                tab = _to_bf16(levels[None, :] * a, DOT_F32)
-                w_hi = tl.gather(tab, ((packed >> 4) & 15).to(tl.int32), axis=1)
-                w_lo = tl.gather(tab, (packed & 15).to(tl.int32), axis=1)
-            else:
-                v_hi, v_lo = _nf4_levels(packed, lut_ptr, LUT)
-                w_hi = _to_bf16(v_hi * a, DOT_F32)
-                w_lo = _to_bf16(v_lo * a, DOT_F32)
+            kk, ok, packed, a = _row_block(wrow, arow, n, nmask, k0 + b * BLOCKSIZE, k_hi, HB, BLOCKSIZE)
+            w_hi, w_lo = _weights(packed, a, lut_ptr, LUT, DOT_F32)
             xm = ok[:, None] & mmask[None, :]
             xcol = x_ptr + m[None, :].to(tl.int64) * sx + 2 * kk[:, None]
             xe = tl.load(xcol, mask=xm, other=0.0)  # (HB, 16): x^T's even inputs

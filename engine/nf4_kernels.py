@@ -62,8 +62,8 @@ STEP_ROWS = 16  # at most this many rows (batch x tokens) take the kernel
 # product and needs many programs in flight to keep HBM busy), warps, pipeline stages, and how the 16 NF4 levels are
 # looked up (lut: "gather" from the 16-entry table per element, "pairs" from a 256-entry table of both levels of a
 # byte, "select" in registers, "shuffle": each row's 16 dequantized values per block computed once and gathered in
-# registers, "prmt": the same per-row values looked up with byte permutes in inline PTX (CUDA, wdot or gemm form,
-# NF4_TABLE's levels; else "shuffle") -- widths that are not a multiple of the absmax block use "select"), how the products are
+# registers, "prmt": the same per-row values looked up with byte permutes in inline PTX (CUDA, NF4_TABLE's levels;
+# else "shuffle") -- widths that are not a multiple of the absmax block use "select"), how the products are
 # summed (mma: on tensor cores, 16 rows per program; else FP32 products summed in registers, 4 rows per program), and
 # the form: "gemm" (rows x weights^T, the weights the MMA's second operand), "wdot" (weights x rows^T: the weights
 # the first operand, from registers), "fma" (four FP32 accumulators per program, summed once at the end; no tensor
@@ -176,8 +176,8 @@ def nf4_linear(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | None = None) 
     row_blocks = K % w.blocksize == 0 and BK % w.blocksize == 0  # one absmax per row and block (every 27B shape)
     lut = cfg["lut"] if (cfg["lut"] not in ("shuffle", "prmt") or row_blocks) else "select"  # per-row tables need row blocks
     form = cfg.get("form", "gemm") if row_blocks else "gemm"  # the fma / wdot forms read one absmax per row block
-    if lut == "prmt" and not (form in ("wdot", "gemm") and w.table_is_nf4()):
-        lut = "shuffle"  # byte permutes: wdot / gemm forms, NF4_TABLE's levels (the same weights either way)
+    if lut == "prmt" and not w.table_is_nf4():
+        lut = "shuffle"  # byte permutes compute with NF4_TABLE's levels (the same weights either way)
     args = (x2, w.packed, w.absmax32, w.pairs if lut == "pairs" else w.lut, bias if bias is not None else out, out,
             part, M, N, K, x2.stride(0), out.stride(0), ks)
     common = dict(HAS_BIAS=bias is not None, BLOCKSIZE=w.blocksize, BN=BN, BK=BK, FINAL=final, LUT=lut, **extra)

@@ -31,12 +31,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-HBM_TBS = 4.8  # H200 HBM3e, TB/s (the floor's yardstick); main() sets 3.35 on an H100 (HBM3)
+HBM_TBS = 4.8  # TB/s, the floors' yardstick: main() sets the running card's (hbm_tb_per_s)
 ATTN_KEYS = (4096, 8192)  # cache positions of the attention cases
 
 # (out, in, count per step) of the 27B model's quantized projections (Qwen3.5-27B text shape)
 NF4_SHAPES = ((10240, 5120, 48), (6144, 5120, 48), (48, 5120, 96), (5120, 6144, 48 + 16), (12288, 5120, 16),
               (1024, 5120, 32), (17408, 5120, 128), (5120, 17408, 64))
+
+
+def hbm_tb_per_s(device_name: str) -> float:
+    """HBM bandwidth of the lent cards, TB/s: H100 SXM (HBM3) 3.35, H200 (HBM3e) 4.8 (bench/recipe_27b.py too)."""
+    return 3.35 if "H100" in device_name else 4.8
 
 
 def graph_ms(fn, calls: int = 20, replays: int = 5) -> float:
@@ -267,7 +272,7 @@ def main() -> int:
     t0 = time.perf_counter()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     global HBM_TBS
-    HBM_TBS = 3.35 if "H100" in res["device"] else 4.8
+    HBM_TBS = hbm_tb_per_s(res["device"])
     res["hbm_tb_per_s"] = HBM_TBS  # the floors' yardstick
     import triton
 

@@ -190,31 +190,27 @@ def main() -> None:
         project_arm(run_dir, 1)  # warm-up (imports, Prefect client, first-call costs), discarded
         p = {n: project_arm(run_dir, n) for n in (short, long)}
         hb = {n: project_arm(run_dir, n, step_heartbeats=True) for n in (short, long)} if a.with_heartbeats else None
+    proj_step = (p[long]["wall_s"] - p[short]["wall_s"]) / (long - short)
+    proj_stage = (p[long]["stage_s"] - p[short]["stage_s"]) / (long - short)
+    # the same from the long runs' own steps: the marginal above carries each run's end rounded up to Prefect's 1-s
+    # heartbeat slices (the top flow joins its heartbeat thread), up to 1/(long-short) s per step of noise
+    ps = per_step(p[long]["step_walls_s"], p[long]["step_stage_s"], p[long]["close_s"])
     if a.project_only:
-        long_ = p[long]
-        step = (long_["wall_s"] - p[short]["wall_s"]) / (long - short)
-        stage = (long_["stage_s"] - p[short]["stage_s"]) / (long - short)
-        w = per_step(long_["step_walls_s"], long_["step_stage_s"], long_["close_s"])
-        res = {"steps": a.steps, "project_step_s": round(step, 4), "project_stage_s": round(stage, 4),
-               "orchestration_s": round(step - stage, 4),
-               "within_run": {"project_step_s": round(w["step_s"], 4), "project_stage_s": round(w["stage_s"], 4),
-                              "orchestration_s": round(w["step_s"] - w["stage_s"], 4)}}
+        res = {"steps": a.steps, "project_step_s": round(proj_step, 4), "project_stage_s": round(proj_stage, 4),
+               "orchestration_s": round(proj_step - proj_stage, 4),
+               "within_run": {"project_step_s": round(ps["step_s"], 4), "project_stage_s": round(ps["stage_s"], 4),
+                              "orchestration_s": round(ps["step_s"] - ps["stage_s"], 4)}}
         print(json.dumps(res))
         if a.json:
             Path(a.json).write_text(json.dumps(res, indent=1))
         return
     trl_arm(base, cfg, 1, root / "warm")  # warm-up, discarded
     t = {n: trl_arm(base, cfg, n, root) for n in (short, long)}
-    proj_step = (p[long]["wall_s"] - p[short]["wall_s"]) / (long - short)
-    proj_stage = (p[long]["stage_s"] - p[short]["stage_s"]) / (long - short)
     trl_step = (t[long]["wall_s"] - t[short]["wall_s"]) / (long - short)
     res = {"steps": a.steps, "trl_step_s": round(trl_step, 3), "project_step_s": round(proj_step, 3),
            "project_stage_s": round(proj_stage, 3), "orchestration_s": round(proj_step - proj_stage, 3),
            "orchestration_share": round((proj_step - proj_stage) / proj_step, 3),
            "ratio_project_vs_trl": round(proj_step / trl_step, 3), "target_ratio": 1.5, "raw": {"project": p, "trl": t}}
-    # the same from the long runs' own steps: the marginal above carries each run's end rounded up to Prefect's 1-s
-    # heartbeat slices (the top flow joins its heartbeat thread), up to 1/(long-short) s per step of noise
-    ps = per_step(p[long]["step_walls_s"], p[long]["step_stage_s"], p[long]["close_s"])
     ts = per_step(t[long]["step_walls_s"])
     res["within_run"] = {"trl_step_s": round(ts["step_s"], 3), "project_step_s": round(ps["step_s"], 3),
                          "project_stage_s": round(ps["stage_s"], 3),

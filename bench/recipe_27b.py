@@ -13,7 +13,9 @@ One group of `--rows` rollouts shares a random prompt c_0; every turn, per row:
     answers  GraphedDecoder.sample_rows: <think> ⊕ z ⊕ </think> chunk, then exactly --answer-tokens tokens
     gym      c_{t+1} = c_t ⊕ answer ⊕ --tool-tokens random tool-result ids (no tool runs: ~0 s)
 Trainer = base + DoRA adapter (configs/qwen35-27b.yaml: r16, FP32 masters, random non-zero B). NF4: the trainer's
-base is bitsandbytes NF4 and the sampler is the BF16 export of its dequantized weights (checked bit for bit).
+base is bitsandbytes NF4 and the sampler is the BF16 export of its dequantized weights (checked bit for bit), or with
+--sampler trainer the NF4 trainer itself (one 80 GB GPU; every single-token step then takes engine/nf4_kernels.py).
+--compare-layout FILE times the graphed latent step and decoded token again under another layout, on the same rows.
 PEFT layers run with engine.cuda_graphs.FrozenAdapter (DoRA scale computed once per adapter version, PEFT's
 arithmetic bit for bit) in every phase.
 

@@ -176,6 +176,10 @@ def main(argv=None) -> dict:
     from engine import prefix_cache as PC
 
     t_start = time.perf_counter()
+
+    def say(msg: str) -> None:  # progress on stdout as it happens: a run stopped by a timeout shows where it was
+        print(f"[{time.perf_counter() - t_start:7.1f} s] {msg}", flush=True)
+
     cfg27 = load_config("qwen35-27b")
     if a.small:
         arch = dict(load_config("tiny").model.arch)
@@ -242,6 +246,8 @@ def main(argv=None) -> dict:
         trainer = with_adapter(base, acfg, a.seed)
         sampler = trainer
     res["adapter_s"] = round(time.perf_counter() - t_start - res["build_s"], 2)
+    say(f"models ready (build {res['build_s']:.1f} s, quantize {res.get('quantize_s', 0):.1f} s, "
+        f"export {res.get('export_s', 0):.1f} s)")
     if graphed:
         res["gpu_mem_models_gb"] = round(torch.cuda.memory_allocated(dev) / 1e9, 2)
     engine = a.latent_engine if a.latent_engine != "auto" else (
@@ -272,16 +278,20 @@ def main(argv=None) -> dict:
         bounds = [[len(h[i]) for h in history] for i in range(B)]
         row = {"turn": t, "prefix_tokens": [len(x) for x in prefixes]}
         tc0 = (tcache.input_tokens, tcache.computed_tokens)
+        say(f"turn {t}: prefill for the latent loop ...")
         with loop.frozen:
             rs, row["prefill_latent_s"] = timed(dev, lambda: PC.prefill_rows(thinker, prefixes, tcache, bounds))
+        say(f"turn {t}: prefill {row['prefill_latent_s']:.2f} s; latent loop ...")
         row["latent_computed_tokens"] = tcache.computed_tokens - tc0[1]
         row["latent_input_tokens"] = tcache.input_tokens - tc0[0]
         loop.reset_stats()
         (z, lq), row["latent_s"] = timed(dev, lambda: loop.run_rows(rs, K, sigma, scale, toks, gen_lat))
         row["latent_steps"] = dict(loop.stats()["counts"])
         row["latent_times_s"] = {k: round(v, 4) for k, v in loop.stats()["times_s"].items()}
+        say(f"turn {t}: latent {row['latent_s']:.2f} s {row['latent_steps']}; prefill for the answers ...")
         with dec.frozen:
             rs2, row["prefill_answers_s"] = timed(dev, lambda: PC.prefill_rows(sampler, prefixes, scache, bounds))
+        say(f"turn {t}: answers' prefill {row['prefill_answers_s']:.2f} s; answers ...")
         dec.reset_stats()
         (ids, lps), row["answers_s"] = timed(dev, lambda: dec.sample_rows(rs2, z, A, 1.0, toks, gen_smp,
                                                                           limits=[A] * B))

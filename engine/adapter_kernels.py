@@ -124,7 +124,14 @@ def dora_backward_fused(g, ms, base):
 # close to an FP64 reference as PyTorch's). A row's result does not depend on the other rows of the batch.
 
 STEP_ROWS = 16  # at most this many rows (batch x tokens) take the step kernels
-STEP_BK, STEP_K_CHUNK = 128, 1024
+# step_h's launch layout: each program sums one rank's products over k_chunk inputs, bk at a time (k_chunk / bk
+# dependent loads in a row: the latency of the call), then step_out sums the chunks' partials in order. The order of
+# the FP32 sums depends on k_chunk and bk (not on the rows): change them only before graphs are captured, and qualify
+# again (bench/adapter_step.py times the layouts at the 27B widths). 512/256/4: the 400 adapted projections of one
+# 27B model step in 2.59 ms at 4 rows and 2.92 ms at 16 (1024/128/4 before: 3.42 and 4.00; one H100, in a CUDA graph,
+# bench/results/h100-adapter-step-2026-12-07.json); one layout for every row count, so a row's bits do not depend on
+# how many rows share its batch.
+STEP = {"k_chunk": 512, "bk": 256, "warps": 4}
 
 
 def _pow2(n: int) -> int:
@@ -149,10 +156,11 @@ def step_h(x, A):
     if n_rows > STEP_ROWS:
         raise ValueError(f"step kernels take at most {STEP_ROWS} rows, got {n_rows}")
     BM = _pow2(n_rows)
-    n_chunks = (n_in + STEP_K_CHUNK - 1) // STEP_K_CHUNK
+    kc = STEP["k_chunk"]
+    n_chunks = (n_in + kc - 1) // kc
     part = torch.empty(n_chunks, BM, rank, dtype=torch.float32, device=x2.device)
-    _launch(k["step_h"], (rank, n_chunks), x2, A.contiguous(), part, n_rows, n_in, rank, K_CHUNK=STEP_K_CHUNK,
-            BM=BM, BK=STEP_BK)
+    _launch(k["step_h"], (rank, n_chunks), x2, A.contiguous(), part, n_rows, n_in, rank, K_CHUNK=kc,
+            BM=BM, BK=min(STEP["bk"], kc), num_warps=STEP["warps"])
     return part
 
 
@@ -169,7 +177,7 @@ def step_fused(result, x, A, B, ms, bias, s: float, dora: bool, round_lora: bool
     if part is None:
         part = step_h(x, A)
     n_chunks, BM, stride = part.shape
-    if n_rows > STEP_ROWS or BM != _pow2(n_rows) or n_chunks != (n_in + STEP_K_CHUNK - 1) // STEP_K_CHUNK:
+    if n_rows > STEP_ROWS or BM != _pow2(n_rows) or n_chunks != (n_in + STEP["k_chunk"] - 1) // STEP["k_chunk"]:
         raise ValueError(f"step kernels: partials {tuple(part.shape)} do not fit {n_rows} rows of width {n_in}")
     RP = _pow2(rank)
     BC = max(16, min(128, 4096 // (BM * RP)))

@@ -146,6 +146,9 @@ def main(argv=None) -> dict:
     p.add_argument("--kernels", choices=["auto", "torch"], default="auto",
                    help="GDN, adapter-epilogue, adapter-step and RMSNorm kernels as the trainer chooses them (engine.runtime.build: "
                         "qualified fused kernels where they pass, one log line otherwise), or PyTorch everywhere")
+    p.add_argument("--gdn-step", choices=["auto", "torch"], default="auto",
+                   help="the static decoder's one-token GDN step (engine/gdn_step.py): the fused kernel where it "
+                        "qualifies, or transformers' forward")
     p.add_argument("--attention-kernels", choices=["auto", "torch"], default=None,
                    help="the decode attention kernels (model.attention_kernels; default: the config's, torch)")
     p.add_argument("--nf4-kernels", choices=["auto", "torch"], default=None,
@@ -163,6 +166,9 @@ def main(argv=None) -> dict:
     p.add_argument("--compare-layout", default=None, metavar="SWEEP_JSON",
                    help="also time the graphed latent step and decoded token under this NF4/attention layout "
                         "(graphs captured again on the same rows), side by side with the run's own")
+    p.add_argument("--compare-gdn-step", action="store_true",
+                   help="also time the graphed latent step and decoded token with the other one-token GDN step "
+                        "(engine/gdn_step.py fused vs transformers' forward; graphs captured again on the same rows)")
     p.add_argument("--out", default=None)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -208,7 +214,7 @@ def main(argv=None) -> dict:
 
     # -- models ------------------------------------------------------------------------------------------------------
     base, res["build_s"] = timed(dev, lambda: build_random(arch, vocab, dev, dtype, a.seed))
-    from engine import adapter_kernels, attention_kernels, gdn, nf4_kernels, norm_kernels
+    from engine import adapter_kernels, attention_kernels, gdn, gdn_step, nf4_kernels, norm_kernels
 
     if a.apply:
         res["applied_layouts"] = {}
@@ -216,6 +222,8 @@ def main(argv=None) -> dict:
             res["applied_layouts"].update(apply_layouts(f))
     # the choices engine.runtime.build makes, before the first forward and before any graph is captured
     res["kernels"] = {"gdn": gdn.install(a.kernels, base.config, dev),
+                      "gdn_step": gdn_step.install(
+                          "torch" if a.kernels == "torch" or a.gdn_step == "torch" else a.kernels, base.config, dev),
                       "adapter_epilogue": adapter_kernels.install(a.kernels, dev),
                       "adapter_step": adapter_kernels.install_step(a.kernels, dev),
                       "rmsnorm": norm_kernels.install(a.kernels, dev),
@@ -379,33 +387,54 @@ def main(argv=None) -> dict:
         dcd["eager_static"] = per(st["times_s"], st["counts"], "eager")
         del eager_dec
     res["decode_ms_per_token"] = dcd
-    if a.compare_layout:  # the same rows, graphs captured again under another NF4 layout (eager on the CPU)
-        from engine import nf4_kernels as NK
 
-        kept = dict(NK.CONFIG)
-        applied = apply_layouts(a.compare_layout).get("nf4", {})
-        cmp_ = {"layout": applied, "qualification_passed": NK.qualify(dev)["passed"]}
+    def retime() -> dict:
+        """The graphed latent step and decoded token again, graphs captured anew on the rows timed above (eager on
+        the CPU): for a comparison under another kernel choice in the same process."""
         loop2 = CG.GraphedLatentLoop(thinker, capacity=capacity, graphed=graphed, profile=True, attention=a.attention)
         loop2.frozen = loop.frozen
-        loop2.run_rows(rs, K, sigma, scale, toks, gen_lat)  # the rows timed above; warm-up + capture + replays
+        loop2.run_rows(rs, K, sigma, scale, toks, gen_lat)  # warm-up + capture + replays
         loop2.reset_stats()
         loop2.run_rows(rs, K, sigma, scale, toks, gen_lat)
         st = loop2.stats()
-        cmp_["latent_graphed_replay_ms"] = per(st["times_s"], st["counts"], mode)
+        out = {"latent_graphed_replay_ms": per(st["times_s"], st["counts"], mode)}
         dec2 = CG.GraphedDecoder(sampler, capacity=capacity, graphed=graphed, profile=True, attention=a.attention)
         dec2.frozen = dec.frozen
         dec2.sample_rows(rs2, z, A, 1.0, toks, gen_smp, limits=[A] * B)
         dec2.reset_stats()
         dec2.sample_rows(rs2, z, A, 1.0, toks, gen_smp, limits=[A] * B)
         st = dec2.stats()
-        cmp_["decode_graphed_replay_ms"] = per(st["times_s"], st["counts"], mode)
+        out["decode_graphed_replay_ms"] = per(st["times_s"], st["counts"], mode)
         del loop2, dec2
+        return out
+
+    mine = (lat["graphed_replay" if graphed else "eager_static"], dcd["graphed_replay" if graphed else "eager_static"])
+    if a.compare_layout:  # the same rows, graphs captured again under another NF4 layout
+        from engine import nf4_kernels as NK
+
+        kept = dict(NK.CONFIG)
+        applied = apply_layouts(a.compare_layout).get("nf4", {})
+        cmp_ = {"layout": applied, "qualification_passed": NK.qualify(dev)["passed"], **retime()}
         NK.CONFIG.clear()
         NK.CONFIG.update(kept)
         res["compare_layout"] = cmp_
         print(f"under {a.compare_layout}: latent {cmp_['latent_graphed_replay_ms']} ms/step, decode "
-              f"{cmp_['decode_graphed_replay_ms']} ms/token (this run's layout: {lat['graphed_replay' if graphed else 'eager_static']} / "
-              f"{dcd['graphed_replay' if graphed else 'eager_static']})", flush=True)
+              f"{cmp_['decode_graphed_replay_ms']} ms/token (this run's layout: {mine[0]} / {mine[1]})", flush=True)
+    if a.compare_gdn_step:  # the same rows, graphs captured again with the other one-token GDN step
+        from engine import gdn_step as GS
+
+        kept = set(GS._STATE["devices"])
+        other = "torch" if kept else "fused"
+        if kept:
+            GS._STATE["devices"].clear()
+        elif GS.install("auto", base.config, dev) != "fused":
+            other = None
+        if other:
+            res["compare_gdn_step"] = cmp_ = {"gdn_step": other, **retime()}
+            print(f"with the GDN step {other}: latent {cmp_['latent_graphed_replay_ms']} ms/step, decode "
+                  f"{cmp_['decode_graphed_replay_ms']} ms/token (this run's: {mine[0]} / {mine[1]})", flush=True)
+        GS._STATE["devices"].clear()
+        GS._STATE["devices"].update(kept)
 
     # -- prefix cache: computed share, cached vs uncached logits -------------------------------------------------
     tin = sum(r["latent_input_tokens"] for r in turns)

@@ -138,6 +138,7 @@ class StaticHybridCache:
     """
 
     is_compileable = True
+    gdn_steps_in_place = True  # engine.gdn_step may update this cache's GDN states in place in one-token steps
 
     def __init__(self, config, batch: int, max_len: int, dtype: torch.dtype, device):
         self.config = config

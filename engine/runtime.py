@@ -276,9 +276,10 @@ def build(cfg, model_dir: str | Path, tok_dir: str | Path, *, quantization: str 
             base = M.load_base(model_dir, dtype, cfg.device)
     if compute_dtype is not None:
         base.to(compute_dtype)
-    from engine import adapter_kernels, attention_kernels, gdn, nf4_kernels, norm_kernels
+    from engine import adapter_kernels, attention_kernels, gdn, gdn_step, nf4_kernels, norm_kernels
 
     gdn.install(cfg.model.gdn_kernels, base.config, cfg.device)  # before the first forward, whatever transformers routes
+    gdn_step.install(cfg.model.gdn_kernels, base.config, cfg.device)  # the static decoder's one-token GDN step
     adapter_kernels.install(cfg.model.adapter_kernels, cfg.device)  # before any CUDA graph is captured
     adapter_kernels.install_step(cfg.model.adapter_step_kernels, cfg.device)
     norm_kernels.install(cfg.model.norm_kernels, cfg.device)  # process-wide: every engine computes the same norms

@@ -91,19 +91,9 @@ def test_the_static_latent_loop_runs_the_fused_step_in_every_gdn_layer():
     bound the GPU test puts on static vs dynamic caches), and finite."""
     r = run_interpreted("""
         import json, torch
-        from configs.schema import load_config
         from engine import cuda_graphs as CG, gdn_step as S, model as M, prefix_cache as PC
-        torch.set_num_threads(1)
-        cfg = load_config("tiny")
-        toks = M.Tokens(pad=0, eos=1, think=2, answer_open=3)
-        model = M.build_random_model(cfg.model.arch, 64, 0, 1, seed=0, dtype="bfloat16")
-        torch.manual_seed(0)
-        model = M.attach_adapter(model, cfg.adapter.model_copy(update={"type": "dora"}))
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0, 0.05)
-        model.eval()
+        from tests.test_cuda_graphs import TOKS as toks, _model
+        model = _model(dtype="bfloat16", adapter="dora")
         g = torch.Generator().manual_seed(1)
         prefixes = [torch.randint(4, 64, (int(n),), generator=g).tolist() for n in (12, 20, 9, 17)]
         scale = M.embed_scale(model)

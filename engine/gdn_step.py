@@ -154,11 +154,11 @@ def _patch() -> None:
     def forward(self, hidden_states, *args, **kwargs):
         bound = dict(zip(names, args)) | kwargs
         cache, mask = bound.get(names[0]), bound.get("attention_mask")
-        if (mask is None and hidden_states.shape[1] == 1 and getattr(cache, "gdn_steps_in_place", False)
-                and cache.filled and enabled(hidden_states)):
-            slot = cache.layers[self.layer_idx]
-            if slot.recurrent_states[0] is not None and slot.recurrent_states[0].is_contiguous():
-                return fused_forward(self, hidden_states, slot)
+        if (mask is None and hidden_states.shape[1] == 1 and hidden_states.dtype == torch.bfloat16
+                and getattr(cache, "gdn_steps_in_place", False) and cache.filled and enabled(hidden_states)):
+            st = cache.layers[self.layer_idx].recurrent_states[0]
+            if st is not None and st.dtype == torch.float32 and st.is_contiguous():
+                return fused_forward(self, hidden_states, cache.layers[self.layer_idx])
         return orig(self, hidden_states, *args, **kwargs)
 
     mq.Qwen3_5GatedDeltaNet.forward = forward

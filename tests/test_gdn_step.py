@@ -108,16 +108,21 @@ def test_the_static_latent_loop_runs_the_fused_step_in_every_gdn_layer():
         z = thoughts()
         launches = S._STATE["launches"] - n0
         z2 = thoughts()
+        model = _model()  # FP32: not the kernel's (BF16 activations); transformers' forward runs, no launch
+        n1 = S._STATE["launches"]
+        thoughts()
+        fp32_launches = S._STATE["launches"] - n1
         S.reset()
         gap = (z.float() - ref.float()).abs()
         print(json.dumps({"chosen": chosen, "launches": launches, "K": K,
                           "mean_gap": float(gap.mean() / scale), "max_gap": float(gap.max() / scale),
-                          "finite": bool(torch.isfinite(z).all()), "repeat_equal": bool(torch.equal(z, z2))}))
+                          "finite": bool(torch.isfinite(z).all()), "repeat_equal": bool(torch.equal(z, z2)),
+                          "fp32_launches": fp32_launches}))
     """)
     assert r["chosen"] == "fused", r
     # 3 GDN layers in the tiny hybrid, in each of the K forwards (<think>, then the first K - 1 thoughts fed back)
     assert r["launches"] == 3 * r["K"], r
-    assert r["finite"] and r["repeat_equal"], r
+    assert r["finite"] and r["repeat_equal"] and r["fp32_launches"] == 0, r
     print(f"fused step vs transformers' forward: mean |dz| {r['mean_gap']:.2e}, max {r['max_gap']:.2e} (x scale)")
     assert r["mean_gap"] < 1e-2, r
 

@@ -35,7 +35,9 @@ class ModelConfig(_Strict):
     gdn_kernels: Literal["auto", "torch", "fla"] = Field(
         "auto", description="Gated DeltaNet kernels (engine/gdn.py): auto = fla's where they qualify against the "
                             "PyTorch reference on this GPU and these versions, the reference elsewhere (one log line "
-                            "says which); torch = the reference always; fla = fla's or fail")
+                            "says which); torch = the reference always; fla = fla's or fail. Also the static "
+                            "decoder's one-token GDN step (engine/gdn_step.py: gates + recurrent step in one kernel, "
+                            "used where it qualifies unless torch)")
     adapter_kernels: Literal["auto", "torch"] = Field(
         "auto", description="the LoRA/DoRA epilogue (engine/adapter_kernels.py): auto = fused Triton kernels where "
                             "they qualify bit for bit against the PyTorch expressions on this GPU (one log line "

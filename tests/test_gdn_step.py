@@ -68,7 +68,12 @@ def _decay_dropped(x, a, b, A_log, dt_bias, state, hk, dk):
     return S.step_reference(x, a, b, A_log * 0 - 30, dt_bias, state, hk, dk)
 
 
-@pytest.mark.parametrize("fn", [_on_a_copy, _heads_interleaved, _decay_dropped])
+def _fails_to_build(*args):
+    """What a kernel that does not compile or launch on this GPU raises."""
+    raise RuntimeError("out of resources: shared memory")
+
+
+@pytest.mark.parametrize("fn", [_on_a_copy, _heads_interleaved, _decay_dropped, _fails_to_build])
 def test_wrong_steps_do_not_qualify(fn):
     r = S.qualify_one(fn, GROUPED, 4, torch.device("cpu"), seed=3)
     assert not r["passed"], r

@@ -148,6 +148,12 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
+def within_rule(errs: dict, torch_errs: dict) -> bool:
+    """The qualification rule: every error (relative L2 against the FP32 reference) within QUALIFY_REL_L2 and within
+    QUALIFY_VS_TORCH times the PyTorch path's own BF16 error (floored at 1e-3)."""
+    return all(errs[k] <= QUALIFY_REL_L2 and errs[k] <= QUALIFY_VS_TORCH * max(torch_errs[k], 1e-3) for k in errs)
+
+
 def _run(fn, q, k, v, g, beta, h0, dtype, grad: bool):
     """fn on inputs cast to dtype (g and the state stay FP32, as the model passes them); output and input grads."""
     xs = [t.to(dtype).detach().requires_grad_(grad) for t in (q, k, v)]
@@ -189,8 +195,7 @@ def qualify_one(name: str, fn, T: int, layout: dict, device, seed: int = 0) -> d
         return {"kernel": name, "T": T, "passed": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
     errs = {key: _rel(got[key], ref[key]) for key in ref if ref[key] is not None}
     torch_errs = {key: _rel(tb[key], ref[key]) for key in ref if ref[key] is not None}
-    passed = all(errs[key] <= QUALIFY_REL_L2 and errs[key] <= QUALIFY_VS_TORCH * max(torch_errs[key], 1e-3)
-                 for key in errs)
+    passed = within_rule(errs, torch_errs)
     return {"kernel": name, "T": T, "passed": passed, "rel_l2": errs, "torch_bf16_rel_l2": torch_errs}
 
 
@@ -226,8 +231,7 @@ def qualify_conv(name: str, fn, T: int, layout: dict, device, seed: int = 0) -> 
         return {"kernel": name, "T": T, "passed": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
     errs = {key: _rel(got[key], ref[key]) for key in ref}
     torch_errs = {key: _rel(tb[key], ref[key]) for key in ref}
-    passed = all(errs[key] <= QUALIFY_REL_L2 and errs[key] <= QUALIFY_VS_TORCH * max(torch_errs[key], 1e-3)
-                 for key in errs)
+    passed = within_rule(errs, torch_errs)
     return {"kernel": name, "T": T, "passed": passed, "rel_l2": errs, "torch_bf16_rel_l2": torch_errs}
 
 

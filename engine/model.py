@@ -259,8 +259,9 @@ def adapter_state(peft_model) -> dict[str, torch.Tensor]:
     if params is None:
         from peft import get_peft_model_state_dict
 
-        return {k: v.detach().cpu().clone().contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
-    return {k: p.detach().cpu().clone().contiguous() for k, p in params.items()}
+        state = get_peft_model_state_dict(peft_model)
+        return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+    return {k: p.detach().to("cpu", copy=True).contiguous() for k, p in params.items()}
 
 
 def _adapter_parameters(peft_model) -> dict[str, torch.nn.Parameter] | None:

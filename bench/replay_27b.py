@@ -9,7 +9,8 @@ chunked log-probs, the tier's checkpointing) and stages.optimize.accumulate_grad
 two-pass micro-batches re-forwarded and checked bit for bit).
 
 1. One turn of --tokens tokens (16 thoughts, 64 answer tokens) per tier: seconds for score + backward, tokens/s,
-   peak GB, MFU. FLOPs counted: forward 2·P·T (P = matmul parameters of the decoder and the LM head rows used) plus
+   peak GB, MFU (with --lora-products fp32 split: the lean forward's rank-r product both ways, side by side).
+   FLOPs counted: forward 2·P·T (P = matmul parameters of the decoder and the LM head rows used) plus
    causal attention 2·T²·(q heads·head_dim) per attention layer; backward of a frozen base computes input gradients
    only: the same again (no weight-gradient matmuls; LoRA's are negligible); checkpointing and two-pass re-run the
    forward, which is counted as time, not as useful FLOPs. Peak rate: 989 TFLOP/s (H200 dense BF16).
@@ -18,7 +19,7 @@ two-pass micro-batches re-forwarded and checked bit for bit).
    with --share-prefix off on, replayed per turn and over shared prefixes (engine/shared_replay.py) side by side:
    tokens/s counts the turns' tokens in both (the work a step asks for), forwarded_tokens what each path ran.
 3. Gradient equivalence at the 27B width with --gradcheck-layers layers: BF16 base + FP32 masters through the
-   pipeline (every tier, and prefix-shared) against the same weights in FP32 through PEFT's forward (gate: relative
+   pipeline (every tier, prefix-shared, and the checkpoint tier with replay.lora_product: split) against the same weights in FP32 through PEFT's forward (gate: relative
    L2 <= 0.002); and the prefix-shared path in FP32 (the chosen GDN kernels continuing from states with gradients)
    against that reference, where only the chunking differs.
 """
@@ -161,6 +162,9 @@ def main(argv=None) -> dict:
                         "transformers' expressions); several: side by side")
     p.add_argument("--checkpoint-keeps", nargs="+", choices=["inputs", "matmuls"], default=["inputs"],
                    help="replay.checkpoint_keeps of the checkpoint and two-pass tiers in part 1; several: side by side")
+    p.add_argument("--lora-products", nargs="+", choices=["fp32", "split"], default=["fp32"],
+                   help="replay.lora_product of part 1 (the lean forward's h = A x: FP32 copy + FP32 GEMM, or one "
+                        "BF16 tensor-core GEMM of A's split halves); several: side by side")
     p.add_argument("--share-prefix", nargs="+", choices=["off", "on"], default=["off"],
                    help="replay.share_prefix of part 2 (engine/shared_replay.py); both: side by side, with the "
                         "gradients' relative L2 between them")
@@ -228,19 +232,20 @@ def main(argv=None) -> dict:
 
     # 1. one long turn per tier ---------------------------------------------------------------------------------------
     res["turns"] = []
-    cases = [(T, k, nk, tier, keeps) for T in a.tokens for k in a.adapter_kernels for nk in a.norm_kernels
-             for tier in a.tiers for keeps in (a.checkpoint_keeps if tier != "keep" else ["inputs"])]
-    for T, kernels, nk, tier, keeps in cases:
+    cases = [(T, k, nk, tier, keeps, lp) for T in a.tokens for k in a.adapter_kernels for nk in a.norm_kernels
+             for tier in a.tiers for keeps in (a.checkpoint_keeps if tier != "keep" else ["inputs"])
+             for lp in a.lora_products]
+    for T, kernels, nk, tier, keeps, lp in cases:
         turns = make_turns([T - 16 - 64 - 1], 16, 64, d, vocab, eng.scale, T)
         F = flops(arch, model, T, 64)
         epilogue = AK.install(kernels, dev)
         norms = NK.install(nk, dev)
         caps = {"keep": {}, "checkpoint": {"keep_graph_tokens": 0},
                 "two_pass": {"keep_graph_tokens": 0, "checkpoint_tokens": 0}}[tier]
-        rc = ReplayConfig(**caps, checkpoint_keeps=keeps)
+        rc = ReplayConfig(**caps, checkpoint_keeps=keeps, lora_product=lp)
         eng._replay_costs = costs[keeps]
-        row = {"T": T, "tier": tier, "checkpoint_keeps": keeps, "adapter_kernels": kernels, "epilogue": epilogue,
-               "norm_kernels": nk, "norms": norms}
+        row = {"T": T, "tier": tier, "checkpoint_keeps": keeps, "lora_product": lp, "adapter_kernels": kernels,
+               "epilogue": epilogue, "norm_kernels": nk, "norms": norms}
         try:
             from engine.replay import plan_for
 
@@ -387,7 +392,8 @@ def gradcheck(arch: dict, cfg27, layers: int, dev, base: str = "bf16") -> dict:
     out["peft_bf16_vs_fp32"] = {k: v for k, v in compare(ref_bf, ref).items() if k != "outside"}
     for tier, caps in (("keep", {}), ("checkpoint", {"keep_graph_tokens": 0}),
                        ("two_pass", {"keep_graph_tokens": 0, "checkpoint_tokens": 0}),
-                       ("share_prefix_checkpoint", {"keep_graph_tokens": 0, "share_prefix": True})):
+                       ("share_prefix_checkpoint", {"keep_graph_tokens": 0, "share_prefix": True}),
+                       ("checkpoint_split_product", {"keep_graph_tokens": 0, "lora_product": "split"})):
         for p_ in bf.parameters():
             p_.grad = None
         run_plan(eng_bf, turns, ReplayConfig(microbatch_tokens=4096 if "share_prefix" not in caps else 16384, **caps))

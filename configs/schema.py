@@ -263,9 +263,18 @@ class ReplayConfig(_Strict):
     adapter_forward: Literal["lean", "peft"] = Field(
         "lean", description="lean: PEFT's forward arithmetic with a backward that keeps only BF16 inputs and rank-r "
                             "FP32 intermediates (engine/adapter_grad.py); peft: PEFT's own autograd (FP32 input copies)")
+    lora_product: Literal["fp32", "split"] = Field(
+        "fp32", description="the lean forward's rank-r product h = A x. fp32: x cast to FP32 and an FP32 GEMM, PEFT's "
+                            "arithmetic bit for bit. split: on a GPU, one BF16 tensor-core GEMM of x (BF16, exact) "
+                            "with the FP32 A split in two BF16 halves, FP32 accumulation: within ~1e-5 of the FP32 "
+                            "product, no FP32 copy of x (the backward's rank-r products already run so); elsewhere "
+                            "the FP32 product. Needs adapter_forward: lean")
 
     @model_validator(mode="after")
     def _check(self) -> "ReplayConfig":
+        if self.lora_product == "split" and self.adapter_forward != "lean":
+            raise ValueError("replay.lora_product: split is a mode of the lean adapter forward; set "
+                             "replay.adapter_forward: lean, or replay.lora_product: fp32")
         if self.token_costs_mb is not None and set(self.token_costs_mb) != {"keep", "checkpoint", "transient"}:
             raise ValueError("replay.token_costs_mb needs all of keep, checkpoint, transient (MB per token)")
         if self.one_pass and (self.keep_graph_tokens is not None or self.checkpoint_tokens is not None):

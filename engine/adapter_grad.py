@@ -9,7 +9,8 @@ to 1.2 GiB of transient dense FP32 per layer.
 `ReplayAdapter` keeps the forward expression for expression (FP32 LoRA term from the FP32 masters, combined with the
 base output in FP32, rounded once -- the design's "compute separately, combine in FP32, round once", equal bit for
 bit to PEFT's forward and to engine.cuda_graphs.FrozenAdapter, so replay scores exactly what generation sampled
-from) and replaces what autograd keeps:
+from; with `replay.lora_product: split` the rank-r product h = A x runs on tensor cores instead, within ~1e-5 of
+it, see `lora_h`) and replaces what autograd keeps:
 
     kept per layer      x in its own dtype (BF16 on the GPU; often the same tensor the next op keeps anyway),
                         h = A x in FP32 (rank r per token: 64 bytes at r 16), and for DoRA the base output in its
@@ -89,10 +90,9 @@ class _AdapterTerm(torch.autograd.Function):
     LoRA term to the result dtype before adding (PEFT's Linear4bit path)."""
 
     @staticmethod
-    def forward(ctx, result, x, A, B, m, n, bias, scaling: float, round_lora: bool):
+    def forward(ctx, result, x, A, B, m, n, bias, scaling: float, round_lora: bool, split: bool = False):
         fused = AK.enabled(result)  # the same arithmetic in one kernel (engine/adapter_kernels.py), bit for bit
-        xf = x.to(A.dtype) if x.dtype != A.dtype else x
-        h = F.linear(xf, A)  # (.., r) fp32
+        h = lora_h(x, A, split)  # (.., r) fp32
         lora = F.linear(h, B)  # (.., out) fp32
         epilogue = AK.epilogue_fused if fused else AK.epilogue_torch
         if m is None:
@@ -133,7 +133,7 @@ class _AdapterTerm(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         g_A = mm_exact_lhs(x2.t(), gh).t().contiguous()  # (r, in) = gh^T x
         g_x = lora_input_grad(gh, A, x.dtype).reshape(x.shape) if ctx.needs_input_grad[1] else None
-        return g_result, g_x, g_A, g_B, g_m, None, None, None, None
+        return g_result, g_x, g_A, g_B, g_m, None, None, None, None, None
 
 
 # -- the backward's products -----------------------------------------------------------------------------------------
@@ -211,6 +211,17 @@ def mm_exact_lhs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _split_product(a, b) if _split_here(a.dtype, a.device) else a.to(b.dtype) @ b
 
 
+def lora_h(x: torch.Tensor, A: torch.Tensor, split: bool = False) -> torch.Tensor:
+    """h = A x in FP32 for x (.., in) and the FP32 master A (r, in). PEFT's arithmetic: x cast to A's dtype, then
+    the FP32 GEMM (at the 27B width an FP32 copy of every adapted layer's input and an FP32 SIMT GEMM per layer and
+    pass). split (replay.lora_product: split), where the split products qualify (CUDA, BF16 x): mm_exact_lhs, one
+    BF16 tensor-core GEMM of x with A's two BF16 halves and FP32 accumulation -- within ~1e-5 relative of the FP32
+    product, not bit for bit."""
+    if split and _split_here(x.dtype, x.device):
+        return mm_exact_lhs(x.reshape(-1, x.shape[-1]), A.t()).reshape(*x.shape[:-1], A.shape[0])
+    return F.linear(x.to(A.dtype) if x.dtype != A.dtype else x, A)
+
+
 def lora_input_grad(gh: torch.Tensor, A: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(gh @ A) rounded once to dtype: gh (N, r), A (r, in), both FP32. Split path (BF16 dtype): one BF16 GEMM over
     the three significant cross terms [gh_hi | gh_hi | gh_lo] @ [A_hi; A_lo; A_hi] with FP32 accumulation, rounded
@@ -228,8 +239,9 @@ class ReplayAdapter:
     The DoRA weight norms are computed on entry when the adapter weights changed since the last entry (by parameter
     address and version); they stay fixed inside a replay, as the adapter does."""
 
-    def __init__(self, model):
+    def __init__(self, model, split_forward: bool = False):
         self.model = model
+        self.split_forward = split_forward  # replay.lora_product: split (lora_h); read at every call
         self.layers = single_adapter_layers(model)
         for mod, a in self.layers.values():
             drop = mod.lora_dropout[a] if a in getattr(mod, "lora_dropout", {}) else None
@@ -259,6 +271,7 @@ class ReplayAdapter:
         dora = name in self.norms
         m = mod.lora_magnitude_vector[a].weight if dora else None
         norms = self.norms
+        ra = self
 
         def forward(x, *args, **kwargs):
             if torch.is_autocast_enabled():
@@ -267,7 +280,8 @@ class ReplayAdapter:
             if bnb4:
                 result = result.clone()
             bias = base.bias if dora else None
-            return _AdapterTerm.apply(result, x, A, B, m, norms.get(name), bias, scaling, bnb4 and not dora)
+            return _AdapterTerm.apply(result, x, A, B, m, norms.get(name), bias, scaling, bnb4 and not dora,
+                                      ra.split_forward)
 
         return forward
 

@@ -403,14 +403,17 @@ def checkpointed_layers(model, context=None, keeps: str = "inputs"):
                 del layer.forward
 
 
-def replay_adapter(engine):
-    """The engine's lean-backward adapter forwards (engine.adapter_grad), built on first use."""
+def replay_adapter(engine, rc=None):
+    """The engine's lean-backward adapter forwards (engine.adapter_grad), built on first use; rc (the run's replay
+    config) sets how they compute the rank-r product (replay.lora_product)."""
     ra = getattr(engine, "_replay_adapter", None)
     if ra is None or ra.model is not engine.model:
         from engine.adapter_grad import ReplayAdapter
 
         ra = ReplayAdapter(engine.model)
         engine._replay_adapter = ra
+    if rc is not None:
+        ra.split_forward = rc.lora_product == "split"
     return ra
 
 
@@ -434,7 +437,7 @@ def score_microbatch(engine, turns: Turns, idx: list[int], temperature: float, s
     lean = rc is not None and rc.adapter_forward == "lean"
     with ExitStack() as stack:
         if lean:
-            stack.enter_context(replay_adapter(engine))
+            stack.enter_context(replay_adapter(engine, rc))
         if checkpointed and torch.is_grad_enabled():
             stack.enter_context(checkpointed_layers(engine.model, (lambda layer: replay_adapter(engine).scope(layer))
                                                     if lean else (lambda layer: nullcontext()),

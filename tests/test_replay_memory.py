@@ -150,6 +150,107 @@ def test_replay_adapter_forward_is_peft_bit_for_bit_and_gradients_match(adapter_
     assert rel(g_lean, g_ref) <= 1.25 * rel(g_peft, g_ref) + 1e-4
 
 
+def _split_forward_case(adapter_type: str, dev: str = "cpu") -> None:
+    """replay.lora_product: split against PEFT's BF16 forward and the FP32 reference (see the tests below)."""
+    from configs.schema import ReplayConfig
+    from engine import adapter_grad as AG
+    from engine.replay import score_microbatch
+
+    calls = []
+    real = AG.mm_exact_lhs
+
+    def counted(a, b):
+        calls.append(a.shape)
+        return real(a, b)
+
+    model = _model(adapter_type, "bfloat16").to(dev)
+    eng, turns = _Eng(model), _turns()
+    idx = list(range(len(turns.rows)))
+    _zero(model)
+    with torch.enable_grad():
+        a0, q0 = score_microbatch(eng, turns, idx, 1.0, 0.05)  # PEFT's own forward and autograd
+        _objective([x.cpu() for x in a0], q0.cpu(), idx).backward()
+    g_peft = _grads(model)
+    got = {}
+    widths = {m.in_features for m in AG.adapter_layers(model).values()}
+    for tier in ("keep", "checkpoint"):
+        _zero(model)
+        calls.clear()
+        rc = ReplayConfig(adapter_forward="lean", lora_product="split", logprob_chunk=300)
+        with torch.enable_grad():
+            AG.mm_exact_lhs = counted
+            try:
+                a1, q1 = score_microbatch(eng, turns, idx, 1.0, 0.05, tier, rc)
+            finally:
+                AG.mm_exact_lhs = real
+            # the forward's products took the split path (before any backward): x (tokens, in) against A's halves
+            assert len(calls) >= len(AG.adapter_layers(model)) and all(c[0] > 16 and c[-1] in widths for c in calls)
+            _objective([x.cpu() for x in a1], q1.cpu(), idx).backward()
+        got[tier] = (_grads(model), [x.detach().cpu() for x in a1], q1.detach().cpu())
+    g_split, a1, q1 = got["keep"]
+    assert all(torch.equal(x, y) for x, y in zip(a1, got["checkpoint"][1])) and torch.equal(q1, got["checkpoint"][2])
+    assert max(float((x.detach().cpu().float() - y.float()).abs().max()) for x, y in zip(a0, a1)) < 0.05
+    ref_model = _model(adapter_type, "float32").to(dev)
+    ref_model.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    _zero(ref_model)
+    with torch.enable_grad():
+        a2, q2 = score_microbatch(_Eng(ref_model), turns, idx, 1.0, 0.05)
+        _objective([x.cpu() for x in a2], q2.cpu(), idx).backward()
+    g_ref = _grads(ref_model)
+
+    def rel(g, ref):
+        num = sum(float((g[k].cpu() - ref[k].cpu()).pow(2).sum()) for k in ref) ** 0.5
+        return num / sum(float(ref[k].cpu().pow(2).sum()) for k in ref) ** 0.5
+
+    print(f"{adapter_type} bf16 vs fp32 on {dev}: peft {rel(g_peft, g_ref):.2e}, split forward {rel(g_split, g_ref):.2e}")
+    assert rel(g_split, g_ref) <= 1.25 * rel(g_peft, g_ref) + 1e-4
+
+
+@pytest.mark.parametrize("adapter_type", ["lora", "dora"])
+def test_split_forward_product_passes_the_gradient_gate(adapter_type, monkeypatch):
+    """replay.lora_product: split (the CUDA path, emulated): h = A x from one BF16 GEMM of x with A's BF16 halves.
+    Not PEFT's forward bit for bit any more, but its log-probs within BF16 noise of it and its gradients as close to
+    the FP32 reference as PEFT's own BF16 path (the test above's criterion); both tiers' forwards agree bit for bit."""
+    from engine import adapter_grad as AG
+
+    monkeypatch.setattr(AG, "_split_here", lambda dtype, device: dtype == torch.bfloat16)
+    _split_forward_case(adapter_type)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("adapter_type", ["lora", "dora"])
+def test_split_forward_product_on_the_gpu(adapter_type):
+    """The same on CUDA with the split products qualified there (engine.adapter_grad._bf16_mm_f32_ok)."""
+    from engine import adapter_grad as AG
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    assert AG._split_here(torch.bfloat16, torch.device("cuda")), "the split BF16 products do not qualify on this GPU"
+    _split_forward_case(adapter_type, "cuda")
+
+
+def test_lora_h_paths(monkeypatch):
+    """lora_h: PEFT's FP32 product by default (bit for bit F.linear of the FP32 copy), also when split is asked for
+    where the split products do not qualify (this CPU); the split path within 2e-5 relative of FP64. The config
+    refuses split without the lean forward, naming both settings."""
+    from configs.schema import ReplayConfig
+    from engine import adapter_grad as AG
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 50, 300, generator=g).bfloat16()
+    A = torch.randn(16, 300, generator=g) * 0.05
+    fp32 = torch.nn.functional.linear(x.float(), A)
+    assert torch.equal(AG.lora_h(x, A), fp32) and torch.equal(AG.lora_h(x, A, split=True), fp32)
+    monkeypatch.setattr(AG, "_split_here", lambda dtype, device: dtype == torch.bfloat16)
+    split = AG.lora_h(x, A, split=True)
+    ref = x.double() @ A.double().t()
+    assert split.shape == fp32.shape and split.dtype == torch.float32
+    assert float((split.double() - ref).norm() / ref.norm()) <= 2e-5
+    assert torch.equal(AG.lora_h(x, A), fp32)  # not asked: the FP32 product
+    with pytest.raises(ValueError, match="replay.adapter_forward: lean"):
+        ReplayConfig(adapter_forward="peft", lora_product="split")
+
+
 def test_split_bf16_products_equal_the_fp32_products_to_about_1e_5(monkeypatch):
     """mm_exact_lhs and lora_input_grad on their CUDA path (split FP32 operand, BF16 GEMM, FP32 accumulation; emulated
     on the CPU with the same operands) against FP64: the products within 2e-5 relative L2, as the FP32 products are;

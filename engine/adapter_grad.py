@@ -239,9 +239,9 @@ class ReplayAdapter:
     The DoRA weight norms are computed on entry when the adapter weights changed since the last entry (by parameter
     address and version); they stay fixed inside a replay, as the adapter does."""
 
-    def __init__(self, model, split_forward: bool = False):
+    def __init__(self, model):
         self.model = model
-        self.split_forward = split_forward  # replay.lora_product: split (lora_h); read at every call
+        self.split_forward = False  # replay.lora_product: split (lora_h); engine.replay sets it, read at every call
         self.layers = single_adapter_layers(model)
         for mod, a in self.layers.values():
             drop = mod.lora_dropout[a] if a in getattr(mod, "lora_dropout", {}) else None
@@ -271,7 +271,6 @@ class ReplayAdapter:
         dora = name in self.norms
         m = mod.lora_magnitude_vector[a].weight if dora else None
         norms = self.norms
-        ra = self
 
         def forward(x, *args, **kwargs):
             if torch.is_autocast_enabled():
@@ -281,7 +280,7 @@ class ReplayAdapter:
                 result = result.clone()
             bias = base.bias if dora else None
             return _AdapterTerm.apply(result, x, A, B, m, norms.get(name), bias, scaling, bnb4 and not dora,
-                                      ra.split_forward)
+                                      self.split_forward)
 
         return forward
 
